@@ -1,0 +1,189 @@
+"""What training code imports: report() with a validate_fn, runs outside Ray Train, clients."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+from collections.abc import Callable
+
+from trainer_integration._reporter import (
+    POINTER_FILE,
+    CheckpointUploadMode,
+    RunReporter,
+    build_job_spec,
+    plain_metrics,
+    resolve_settings,
+    write_pointer,
+)
+from validation_service.errors import InvalidInput
+
+__all__ = [
+    "CheckpointUploadMode",
+    "Client",
+    "report",
+    "resolve_checkpoint",
+    "start_run",
+]
+
+logger = logging.getLogger(__name__)
+_reporters: dict[str, RunReporter] = {}
+_reporters_lock = threading.Lock()
+_current_run: str | None = None
+
+
+def report(
+    metrics: dict,
+    checkpoint=None,
+    *,
+    validate_fn: Callable[..., dict] | str | None = None,
+    validate_config: dict | None = None,
+    checkpoint_upload_mode: CheckpointUploadMode = CheckpointUploadMode.SYNC,
+    validation_resources: dict | None = None,
+    priority: int = 0,
+    timeout_s: float | None = None,
+    max_attempts: int = 3,
+) -> None:
+    """Reports metrics and a checkpoint; its validation runs later, elsewhere.
+
+    Inside a Ray Train worker call it on every rank, as ``ray.train.report``: rank 0
+    passes the checkpoint, the others ``report({}, None)``. The checkpoint is persisted
+    to ckval's storage and registered, its validation is enqueued, and Ray Train gets
+    a pointer checkpoint so ``Result.checkpoints`` still lists it. Outside Ray Train,
+    call ``start_run(name)`` first. Returns without waiting for validation.
+    """
+    if not isinstance(metrics, dict):
+        raise InvalidInput(f"metrics must be a dict, got {type(metrics).__name__}")
+    if not isinstance(checkpoint_upload_mode, CheckpointUploadMode):
+        raise InvalidInput(
+            f"checkpoint_upload_mode must be a CheckpointUploadMode, got {checkpoint_upload_mode!r}"
+        )
+    if validate_fn is not None and checkpoint is None:
+        raise InvalidInput("validate_fn was given without a checkpoint to validate.")
+    metrics = plain_metrics(metrics)
+    job = None
+    if validate_fn is not None:
+        job = build_job_spec(
+            validate_fn, validate_config, validation_resources, priority, timeout_s, max_attempts
+        )
+    train_context = _ray_train_context()
+    if train_context is None:
+        if _current_run is None:
+            raise InvalidInput(
+                "report() outside a Ray Train worker needs a run: call "
+                "trainer_integration.start_run('my-run') first, or use Client('my-run')."
+            )
+        if checkpoint is not None:
+            _reporter(_current_run).report(metrics, checkpoint, job, checkpoint_upload_mode)
+        return
+
+    import ray.train
+
+    if checkpoint is None:
+        ray.train.report(metrics)
+        return
+    run = train_context.get_experiment_name()
+    reporter = _reporter(run)
+    index = reporter.report(metrics, checkpoint, job, checkpoint_upload_mode)
+    with tempfile.TemporaryDirectory(prefix="ckval-pointer-") as pointer_dir:
+        uri = reporter.storage.uri_for(
+            reporter.storage.checkpoint_path(reporter.settings.namespace, run, index)
+        )
+        write_pointer(pointer_dir, run, index, uri)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(pointer_dir))
+
+
+def resolve_checkpoint(checkpoint):
+    """Follows the pointer checkpoint that report() gave Ray Train to the stored one.
+
+    ``resolve_checkpoint(result.checkpoint)`` gives the checkpoint with the model files.
+    A checkpoint that is no pointer is returned unchanged.
+    """
+    import json
+    import os
+
+    from validation_service.storage import ray_checkpoint
+
+    with checkpoint.as_directory() as directory:
+        pointer = os.path.join(directory, POINTER_FILE)
+        if not os.path.exists(pointer):
+            return checkpoint
+        with open(pointer) as f:
+            return ray_checkpoint(json.load(f)["uri"], resolve_settings().storage_options)
+
+
+def start_run(name: str) -> Client:
+    """Names the run that report() outside Ray Train records into; returns its Client."""
+    global _current_run
+    client = Client(name)
+    _current_run = name
+    return client
+
+
+class Client:
+    """Reports checkpoints of one run from any Python process (no Ray Train needed)."""
+
+    def __init__(self, run: str, settings=None):
+        self.run = run
+        self._reporter = _reporter(run, settings)
+
+    @property
+    def registry(self):
+        return self._reporter.registry
+
+    def report(
+        self,
+        metrics: dict,
+        checkpoint=None,
+        *,
+        validate_fn: Callable[..., dict] | str | None = None,
+        validate_config: dict | None = None,
+        checkpoint_upload_mode: CheckpointUploadMode = CheckpointUploadMode.SYNC,
+        validation_resources: dict | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        max_attempts: int = 3,
+    ) -> int | None:
+        """As trainer_integration.report(); returns the report index of the checkpoint."""
+        if validate_fn is not None and checkpoint is None:
+            raise InvalidInput("validate_fn was given without a checkpoint to validate.")
+        metrics = plain_metrics(metrics)
+        job = None
+        if validate_fn is not None:
+            job = build_job_spec(
+                validate_fn,
+                validate_config,
+                validation_resources,
+                priority,
+                timeout_s,
+                max_attempts,
+            )
+        if checkpoint is None:
+            return None
+        return self._reporter.report(metrics, checkpoint, job, checkpoint_upload_mode)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Waits for ASYNC uploads to be registered; raises if one failed."""
+        self._reporter.flush(timeout_s)
+
+    def wait(self, timeout_s: float = 300.0) -> None:
+        """Waits for every validation of this run to finish."""
+        self.flush(timeout_s)
+        self._reporter.registry.wait(self.run, timeout_s=timeout_s)
+
+
+def _reporter(run: str, settings=None) -> RunReporter:
+    with _reporters_lock:
+        reporter = _reporters.get(run)
+        if reporter is None:
+            reporter = _reporters[run] = RunReporter(run, settings or resolve_settings())
+        return reporter
+
+
+def _ray_train_context():
+    try:
+        import ray.train
+
+        return ray.train.get_context()
+    except Exception:  # noqa: BLE001 - not inside a Ray Train worker
+        return None

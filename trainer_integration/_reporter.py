@@ -1,0 +1,287 @@
+"""The reporting side of ckval: persist, register + enqueue, report to Ray, nudge."""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import cloudpickle
+
+from validation_service.config import Settings, get_settings
+from validation_service.errors import InvalidInput
+from validation_service.executors._run import import_validate_fn
+from validation_service.jobs import ExecutorKind
+from validation_service.metrics import normalize_metrics, to_plain
+from validation_service.registry.records import JobSpec
+from validation_service.storage import CheckpointStorage, PersistedCheckpoint
+
+logger = logging.getLogger(__name__)
+
+POINTER_FILE = "ckval_checkpoint.json"
+_RESOURCE_KEYS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type"}
+
+
+class CheckpointUploadMode(enum.Enum):
+    """How report() persists the checkpoint, as in ray.train.CheckpointUploadMode.
+
+    SYNC: upload before report() returns. ASYNC: upload in the background; the
+    validation is enqueued once the upload is complete. NO_UPLOAD: the checkpoint is
+    already in ckval's storage (e.g. distributed checkpoint shards); register it there.
+    """
+
+    SYNC = "SYNC"
+    ASYNC = "ASYNC"
+    NO_UPLOAD = "NO_UPLOAD"
+
+
+def pool_for(resources: dict[str, Any]) -> str:
+    """The concurrency pool a job counts against: its accelerator type, GPU, or CPU."""
+    if resources.get("accelerator_type"):
+        return str(resources["accelerator_type"])
+    return "GPU" if resources.get("num_gpus") else "CPU"
+
+
+def build_job_spec(
+    validate_fn: Callable[..., dict] | str,
+    validate_config: dict | None,
+    validation_resources: dict | None,
+    priority: int,
+    timeout_s: float | None,
+    max_attempts: int,
+) -> JobSpec:
+    """Checks every validation argument up front; raises InvalidInput naming the bad one."""
+    if isinstance(validate_fn, str):
+        import_validate_fn(validate_fn)  # a reference that does not import fails here, now
+        fn_ref, fn_pickle, fn_name = validate_fn, None, validate_fn
+    elif callable(validate_fn):
+        try:
+            fn_ref, fn_pickle = None, cloudpickle.dumps(validate_fn)
+        except Exception as exc:  # noqa: BLE001 - any pickling error is the user's to fix
+            raise InvalidInput(
+                f"validate_fn {validate_fn!r} cannot be pickled ({exc}). Define it at module "
+                "level or pass its reference as 'package.module:function'."
+            ) from None
+        fn_name = getattr(validate_fn, "__qualname__", type(validate_fn).__name__)
+    else:
+        raise InvalidInput(
+            f"validate_fn must be a callable (checkpoint, config) -> dict or a "
+            f"'package.module:function' string, got {type(validate_fn).__name__}."
+        )
+    if validate_config is not None and not isinstance(validate_config, dict):
+        raise InvalidInput(f"validate_config must be a dict, got {type(validate_config).__name__}.")
+    try:
+        config_bytes = cloudpickle.dumps(validate_config or {})
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise InvalidInput(
+            f"validate_config cannot be pickled ({exc}); it is stored until the validation "
+            "runs. Pass plain values, paths or URIs instead of open handles or locks."
+        ) from None
+    resources = dict(validation_resources or {"num_cpus": 1})
+    unknown = set(resources) - _RESOURCE_KEYS
+    if unknown:
+        raise InvalidInput(
+            f"validation_resources has unknown keys {sorted(unknown)}; "
+            f"use {sorted(_RESOURCE_KEYS)}."
+        )
+    for key in ("num_cpus", "num_gpus", "memory"):
+        value = resources.get(key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+        ):
+            raise InvalidInput(
+                f"validation_resources[{key!r}] must be a number >= 0, got {value!r}"
+            )
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidInput(f"priority must be an int, got {priority!r}")
+    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
+        raise InvalidInput(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
+        raise InvalidInput(f"max_attempts must be an int >= 1, got {max_attempts!r}")
+    return JobSpec(
+        executor_kind=ExecutorKind.RAY_TASK.value,
+        pool=pool_for(resources),
+        validate_fn_name=fn_name,
+        validate_fn_ref=fn_ref,
+        validate_fn_pickle=fn_pickle,
+        validate_config=config_bytes,
+        resources=resources,
+        priority=priority,
+        timeout_s=timeout_s,
+        max_attempts=max_attempts,
+    )
+
+
+class RunReporter:
+    """Reports checkpoints of one run from one process; thread-safe."""
+
+    def __init__(self, run: str, settings: Settings | None = None, *, start_service: bool = True):
+        from validation_service.registry.registry import Registry
+
+        self.run = run
+        self.settings = settings or resolve_settings()
+        self.registry = Registry(settings=self.settings)
+        self.storage = CheckpointStorage(
+            self.settings.resolved_storage(), self.settings.storage_options
+        )
+        self.run_id = self.registry.ensure_run(run, storage_root=self.storage.root_uri)
+        self._lock = threading.Lock()
+        self._next_index = self.registry.next_report_index(self.run_id)
+        self._start_service = start_service
+        self._service = None
+        self._uploads: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+
+    def reserve_index(self) -> int:
+        with self._lock:
+            index = self._next_index
+            self._next_index += 1
+            return index
+
+    def persist(self, checkpoint, mode: CheckpointUploadMode, index: int) -> PersistedCheckpoint:
+        if mode is CheckpointUploadMode.NO_UPLOAD:
+            uri = checkpoint.path if _is_local(checkpoint) else _uri_of(checkpoint)
+            return self.storage.adopt(uri)
+        if _is_local(checkpoint):
+            return self.storage.upload(checkpoint.path, self.settings.namespace, self.run, index)
+        with tempfile.TemporaryDirectory(prefix="ckval-upload-") as tmp:
+            local = checkpoint.to_directory(tmp)
+            return self.storage.upload(local, self.settings.namespace, self.run, index)
+
+    def register(
+        self,
+        index: int,
+        persisted: PersistedCheckpoint,
+        metrics: dict[str, Any],
+        job: JobSpec | None,
+    ):
+        registration = self.registry.register_checkpoint(
+            self.run_id,
+            index,
+            uri=persisted.uri,
+            size_bytes=persisted.size_bytes,
+            manifest_sha256=persisted.manifest_sha256,
+            reported_metrics=metrics,
+            step=_int_or_none(metrics.get("step")),
+            epoch=_int_or_none(metrics.get("epoch")),
+            job=job,
+        )
+        if job is not None:
+            self.nudge()
+        return registration
+
+    def report(
+        self,
+        metrics: dict[str, Any],
+        checkpoint,
+        job: JobSpec | None,
+        mode: CheckpointUploadMode,
+    ) -> int:
+        """Persists and registers one checkpoint; returns its report index."""
+        index = self.reserve_index()
+        if mode is CheckpointUploadMode.ASYNC:
+            if self._uploads is None:
+                self._uploads = ThreadPoolExecutor(2, thread_name_prefix="ckval-upload")
+            # Copy now so training may delete or overwrite its folder at once.
+            staged = tempfile.mkdtemp(prefix="ckval-async-")
+            local = checkpoint.to_directory(staged)
+            future = self._uploads.submit(self._upload_then_register, local, index, metrics, job)
+            self._pending.append(future)
+            self.raise_failed_uploads()
+            return index
+        persisted = self.persist(checkpoint, mode, index)
+        self.register(index, persisted, metrics, job)
+        return index
+
+    def _upload_then_register(self, local: str, index: int, metrics, job) -> None:
+        try:
+            persisted = self.storage.upload(local, self.settings.namespace, self.run, index)
+            self.register(index, persisted, metrics, job)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+
+    def raise_failed_uploads(self) -> None:
+        done = [f for f in self._pending if f.done()]
+        self._pending = [f for f in self._pending if not f.done()]
+        for future in done:
+            future.result()  # raises the upload's error at the next report()
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Waits for background uploads; raises the first one that failed."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result(timeout=timeout_s)
+
+    def nudge(self) -> None:
+        """Tells the service there is new work (best effort: it also polls)."""
+        if not self._start_service:
+            return
+        try:
+            if self._service is None:
+                from validation_service.service import ValidationService
+
+                self._service = ValidationService.get(self.settings) or ValidationService.start(
+                    settings=self.settings
+                )
+            self._service.nudge()
+        except Exception:  # noqa: BLE001 - the job is durable; the service will poll it
+            logger.warning("could not nudge the ckval service", exc_info=True)
+            self._service = None
+
+
+def resolve_settings() -> Settings:
+    """This process's settings: CKVAL_* variables, else those of the running service.
+
+    Ray workers inherit the variables of the process that started Ray; on a remote
+    cluster they get the deployed service's settings instead.
+    """
+    settings = get_settings()
+    if any(k.startswith("CKVAL_") for k in os.environ):
+        return settings
+    try:
+        import ray
+
+        if ray.is_initialized():
+            actor = ray.get_actor(settings.service_name, namespace=settings.ray_namespace)
+            return Settings.model_validate_json(ray.get(actor.settings_json.remote(), timeout=30))
+    except Exception:  # noqa: BLE001 - no service yet: the defaults apply
+        pass
+    return settings
+
+
+def write_pointer(directory: str, run: str, index: int, uri: str) -> None:
+    with open(os.path.join(directory, POINTER_FILE), "w") as f:
+        json.dump({"run": run, "report_index": index, "uri": uri}, f)
+
+
+def plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    return normalize_metrics({k: to_plain(v) for k, v in metrics.items()}, what="metrics")
+
+
+def _is_local(checkpoint) -> bool:
+    import pyarrow.fs
+
+    return isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
+
+
+def _uri_of(checkpoint) -> str:
+    type_name = checkpoint.filesystem.type_name
+    return f"{type_name}://{checkpoint.path}"
+
+
+def _int_or_none(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None

@@ -1,0 +1,164 @@
+"""`ckval demo`: TorchTrainer on scikit-learn's bundled digits, validated every epoch."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+HIDDEN = 64
+SPLIT_SEED = 0
+
+
+def load_digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Digits (8x8 images, 10 classes) shipped inside scikit-learn: 75% train, 25% held out."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    data = load_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    return train_test_split(
+        x, data.target, test_size=0.25, random_state=SPLIT_SEED, stratify=data.target
+    )
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 10))
+
+
+def train_func(config: dict[str, Any]) -> None:
+    """A Ray Train loop as in Ray's docs, reporting through trainer_integration.report."""
+    import ray.train
+    import ray.train.torch
+
+    from trainer_integration import report
+
+    torch.manual_seed(config.get("seed", 0))
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    x_train, _, y_train, _ = load_digits_split()
+    x = torch.from_numpy(x_train[rank::world])
+    y = torch.from_numpy(y_train[rank::world]).long()
+    model = ray.train.torch.prepare_model(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.1), momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    batch = config.get("batch_size", 32)
+    for epoch in range(config["epochs"]):
+        model.train()
+        order = torch.randperm(len(x))
+        total = 0.0
+        for start in range(0, len(x), batch):
+            idx = order[start : start + batch]
+            optimizer.zero_grad()
+            loss = loss_fn(model(x[idx]), y[idx])
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * len(idx)
+        metrics = {"epoch": epoch, "train_loss": total / len(x)}
+        with tempfile.TemporaryDirectory() as tmp:
+            if rank == 0:
+                module = model.module if hasattr(model, "module") else model
+                torch.save(module.state_dict(), os.path.join(tmp, "model.pt"))
+                report(
+                    metrics,
+                    checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                    validate_fn=validate_digits,
+                    validate_config={"batch_size": 256},
+                    validation_resources={"num_cpus": 1},
+                )
+            else:
+                report(metrics, None)
+
+
+def validate_digits(checkpoint, config: dict[str, Any]) -> dict[str, float]:
+    """Accuracy and loss on the held-out split, computed with torchmetrics."""
+    import torchmetrics
+
+    _, x_val, _, y_val = load_digits_split()
+    model = make_model()
+    with checkpoint.as_directory() as directory:
+        state = torch.load(os.path.join(directory, "model.pt"), map_location="cpu")
+    model.load_state_dict(state)
+    model.eval()
+    accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+    mean_loss = torchmetrics.MeanMetric()
+    loss_fn = nn.CrossEntropyLoss(reduction="none")
+    batch = config.get("batch_size", 256)
+    with torch.no_grad():
+        for start in range(0, len(x_val), batch):
+            xb = torch.from_numpy(x_val[start : start + batch])
+            yb = torch.from_numpy(y_val[start : start + batch]).long()
+            logits = model(xb)
+            accuracy.update(logits, yb)
+            mean_loss.update(loss_fn(logits, yb))
+    return {"accuracy": accuracy.compute().item(), "val_loss": mean_loss.compute().item()}
+
+
+def run_demo(epochs: int = 5, num_workers: int = 2, run_name: str | None = None) -> None:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from validation_service._table import render
+    from validation_service.config import ckval_env, get_settings
+    from validation_service.registry.registry import Registry
+    from validation_service.service import ValidationService
+
+    settings = get_settings()
+    home = settings.resolved_home()
+    run_name = run_name or f"ckval-demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    print(f"ckval demo: run {run_name!r}")
+    print(f"  registry: {settings.resolved_database_url()}")
+    print(f"  storage:  {settings.resolved_storage()}")
+    if not ray.is_initialized():
+        # Logical CPUs for 2 training workers plus concurrent validations, on any machine.
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, num_workers + 2),
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": ckval_env()},
+        )
+    service = ValidationService.start(settings=settings)
+    started = time.perf_counter()
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config={"epochs": epochs, "lr": 0.1, "batch_size": 32},
+        scaling_config=ScalingConfig(num_workers=num_workers),
+        run_config=RunConfig(name=run_name, storage_path=str(home / "ray_results")),
+    )
+    result = trainer.fit()
+    trained = time.perf_counter() - started
+    print(
+        f"training finished in {trained:.1f}s with {len(result.best_checkpoints)} "
+        "checkpoints in Ray's Result; waiting for validations..."
+    )
+    registry = Registry(settings=settings)
+    registry.wait(run_name, timeout_s=300)
+    waited = time.perf_counter() - started - trained
+    print(f"all validations done {waited:.1f}s after training ended\n")
+    best = registry.best_checkpoint_records(run_name, metric="accuracy", mode="max", k=3)
+    rows = [
+        [
+            i + 1,
+            r.epoch,
+            r.metrics.get("accuracy"),
+            r.metrics.get("val_loss"),
+            r.metrics.get("train_loss"),
+            r.uri,
+        ]
+        for i, r in enumerate(best)
+    ]
+    print("top-3 checkpoints by validated accuracy:")
+    print(render(["rank", "epoch", "accuracy", "val_loss", "train_loss", "checkpoint"], rows))
+    counts = registry.job_counts(run_name)
+    print(f"\nvalidation jobs: {counts}")
+    print(f"try: ckval best {run_name} --metric accuracy -k 3")
+    status = service.status()
+    print(f"service {status['owner']}: {status['finished']} validations finished")
+    if counts.get("SUCCEEDED", 0) != epochs:
+        raise SystemExit(f"expected {epochs} validated checkpoints, got {counts}")

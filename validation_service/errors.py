@@ -1,0 +1,85 @@
+"""Errors a user can act on: each names the run, checkpoint or job and what to do."""
+
+from __future__ import annotations
+
+
+class CkvalError(Exception):
+    """Base class of every error ckval raises on purpose."""
+
+
+class InvalidInput(CkvalError, ValueError):
+    """An argument that ckval cannot store or act on; nothing was written."""
+
+
+class RunNotFound(CkvalError, LookupError):
+    def __init__(self, run: str, namespace: str, known: list[str] | None = None):
+        self.run = run
+        self.namespace = namespace
+        hint = ""
+        if known:
+            shown = ", ".join(sorted(known)[:10])
+            hint = f" Known runs: {shown}."
+        super().__init__(
+            f"No run named {run!r} in namespace {namespace!r} of this registry.{hint} "
+            "Check the run name (inside Ray Train it is RunConfig(name=...)) and the "
+            "database URL (CKVAL_DATABASE_URL)."
+        )
+
+
+class UnknownMetric(CkvalError, LookupError):
+    def __init__(self, metric: str, run: str | None, known: list[str]):
+        self.metric = metric
+        self.run = run
+        self.known = known
+        where = f"run {run!r}" if run else "any run"
+        shown = ", ".join(sorted(known)) if known else "none yet"
+        super().__init__(
+            f"No checkpoint of {where} has a metric named {metric!r}. "
+            f"Metrics recorded: {shown}. Pass one of those as metric=."
+        )
+
+
+class JobNotFound(CkvalError, LookupError):
+    def __init__(self, job_id: int):
+        self.job_id = job_id
+        super().__init__(f"No validation job with id {job_id}. List jobs with `ckval jobs RUN`.")
+
+
+class CheckpointNotFound(CkvalError, FileNotFoundError):
+    """The checkpoint (or its manifest) is not where the registry says it is."""
+
+    def __init__(self, uri: str, detail: str = ""):
+        self.uri = uri
+        extra = f": {detail}" if detail else ""
+        super().__init__(
+            f"Checkpoint not found at {uri}{extra}. It was deleted or moved after it was "
+            "reported; this validation cannot succeed and is not retried."
+        )
+
+
+class CheckpointCorrupt(CkvalError, ValueError):
+    """The checkpoint's files do not match the manifest written when it was reported."""
+
+    def __init__(self, uri: str, detail: str):
+        self.uri = uri
+        super().__init__(
+            f"Checkpoint at {uri} does not match its manifest: {detail}. It was changed "
+            "after it was reported; this validation cannot succeed and is not retried."
+        )
+
+
+class ValidationFnError(CkvalError):
+    """A validate_fn raised, or returned something that is not a metrics dict."""
+
+    def __init__(self, job_id: int, message: str, traceback: str = ""):
+        self.job_id = job_id
+        self.traceback = traceback
+        super().__init__(f"validation job {job_id}: {message}")
+
+
+class PermanentValidationError(CkvalError):
+    """Raise this from a validate_fn to fail the job at once, without retries."""
+
+
+class StaleLease(CkvalError):
+    """A result came from an attempt whose lease was taken over; it is discarded."""

@@ -1,0 +1,69 @@
+"""Status enums for validation jobs, checkpoints and runs; the one place state names live."""
+
+from __future__ import annotations
+
+import enum
+
+
+class JobStatus(str, enum.Enum):
+    """Life cycle of one validation job.
+
+    QUEUED -> RUNNING -> SUCCEEDED | FAILED | TIMED_OUT | CANCELLED, and
+    RUNNING -> QUEUED on a retry or an expired lease.
+    """
+
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    TIMED_OUT = "TIMED_OUT"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_JOB_STATUSES
+
+
+TERMINAL_JOB_STATUSES = frozenset(
+    {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.TIMED_OUT, JobStatus.CANCELLED}
+)
+ACTIVE_JOB_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.RUNNING})
+
+
+class ValidationStatus(str, enum.Enum):
+    """What a checkpoint's row says about its validation (mirrors its job)."""
+
+    NONE = "NONE"  # reported without a validate_fn
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    VALIDATED = "VALIDATED"
+    FAILED = "FAILED"
+    TIMED_OUT = "TIMED_OUT"
+    CANCELLED = "CANCELLED"
+
+
+JOB_TO_VALIDATION_STATUS = {
+    JobStatus.QUEUED: ValidationStatus.PENDING,
+    JobStatus.RUNNING: ValidationStatus.RUNNING,
+    JobStatus.SUCCEEDED: ValidationStatus.VALIDATED,
+    JobStatus.FAILED: ValidationStatus.FAILED,
+    JobStatus.TIMED_OUT: ValidationStatus.TIMED_OUT,
+    JobStatus.CANCELLED: ValidationStatus.CANCELLED,
+}
+
+
+class RunStatus(str, enum.Enum):
+    RUNNING = "RUNNING"
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+
+
+class MetricSource(str, enum.Enum):
+    REPORTED = "reported"
+    VALIDATED = "validated"
+
+
+class ExecutorKind(str, enum.Enum):
+    """How one validation runs; the scheduler picks the executor by this."""
+
+    RAY_TASK = "ray_task"

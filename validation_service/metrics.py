@@ -1,0 +1,91 @@
+"""Turning user metrics into what the registry stores: JSON-safe values and rankable floats."""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from typing import Any
+
+from validation_service.errors import InvalidInput
+
+MAX_METRICS = 1_000
+MAX_METRIC_NAME = 255
+MAX_METRICS_JSON_BYTES = 1_000_000
+
+
+def to_plain(value: Any) -> Any:
+    """Tensors and NumPy scalars (what torchmetrics returns) become Python numbers."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    item = getattr(value, "item", None)
+    if callable(item):
+        numel = getattr(value, "numel", None) or getattr(value, "size", None)
+        size = numel() if callable(numel) else numel
+        if size in (None, 1):
+            return item()
+    if isinstance(value, numbers.Number):
+        return float(value)
+    if isinstance(value, dict):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return tolist()
+    return value
+
+
+def normalize_metrics(metrics: Any, *, what: str) -> dict[str, Any]:
+    """Checks and converts a metrics dict; raises InvalidInput naming what is wrong."""
+    if not isinstance(metrics, dict):
+        raise InvalidInput(
+            f"{what} must be a dict of metric name -> value, got {type(metrics).__name__}: "
+            f"{_preview(metrics)}. Return e.g. {{'accuracy': 0.93}}."
+        )
+    if len(metrics) > MAX_METRICS:
+        raise InvalidInput(
+            f"{what} has {len(metrics)} entries; at most {MAX_METRICS} are stored per "
+            "checkpoint. Keep per-sample or per-class values in the checkpoint files instead."
+        )
+    plain: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or not key:
+            raise InvalidInput(f"{what} has a key {key!r}: metric names must be non-empty str.")
+        if len(key) > MAX_METRIC_NAME:
+            raise InvalidInput(
+                f"{what} has a metric name of {len(key)} characters "
+                f"({key[:40]!r}...); at most {MAX_METRIC_NAME} are allowed."
+            )
+        plain[key] = to_plain(value)
+    try:
+        encoded = json.dumps(plain, default=_reject)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"{what} cannot be stored as JSON: {exc}") from None
+    if len(encoded) > MAX_METRICS_JSON_BYTES:
+        raise InvalidInput(
+            f"{what} is {len(encoded)} bytes as JSON; at most {MAX_METRICS_JSON_BYTES} are "
+            "stored per checkpoint. Keep large values in the checkpoint files instead."
+        )
+    return plain
+
+
+def rankable(metrics: dict[str, Any]) -> dict[str, float]:
+    """The finite numeric metrics: the ones best_checkpoints can rank by."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        number = float(value)
+        if math.isfinite(number):
+            out[key] = number
+    return out
+
+
+def _reject(value: Any) -> Any:
+    raise TypeError(f"value {_preview(value)} of type {type(value).__name__} is not a number")
+
+
+def _preview(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

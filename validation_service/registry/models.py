@@ -1,0 +1,186 @@
+"""SQLAlchemy 2.x typed ORM models of the checkpoint registry (created only by migrations/)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from validation_service.jobs import JobStatus, RunStatus, ValidationStatus
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class UTCDateTime(TypeDecorator):
+    """Stores naive UTC, returns aware UTC: SQLite keeps no time zone, PostgreSQL would."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to the registry; use UTC-aware datetimes")
+        return value.astimezone(dt.timezone.utc).replace(tzinfo=None)
+
+    def process_result_value(self, value: dt.datetime | None, dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=dt.timezone.utc)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, dt.datetime: UTCDateTime}
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    __table_args__ = (UniqueConstraint("namespace", "name", name="uq_runs_namespace_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    namespace: Mapped[str] = mapped_column(String(255))
+    storage_root: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    status: Mapped[str] = mapped_column(String(16), default=RunStatus.RUNNING.value)
+    tags: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+    checkpoints: Mapped[list[Checkpoint]] = relationship(back_populates="run")
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        UniqueConstraint("run_id", "report_index", name="uq_checkpoints_run_report_index"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    report_index: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    uri: Mapped[str] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    manifest_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    reported_metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    validated_metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # The merged view: validated keys overwrite reported keys (Ray's rule).
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    validation_status: Mapped[str] = mapped_column(String(16), default=ValidationStatus.NONE.value)
+    deleted_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+
+    run: Mapped[Run] = relationship(back_populates="checkpoints")
+    jobs: Mapped[list[ValidationJob]] = relationship(back_populates="checkpoint")
+
+
+class MetricValue(Base):
+    """One finite numeric metric of one checkpoint, so best-k by any metric uses an index.
+
+    ``effective`` marks the value the merged view shows: a validated value, or a
+    reported one that no validated value of the same name overrides. ``run_id`` is
+    copied from the checkpoint so that best-k within a run is one index range scan.
+    """
+
+    __tablename__ = "metric_values"
+    __table_args__ = (
+        Index("ix_metric_values_run_rank", "run_id", "name", "effective", "value"),
+        Index("ix_metric_values_rank", "name", "effective", "value"),
+    )
+
+    checkpoint_id: Mapped[int] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    source: Mapped[str] = mapped_column(String(16), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    value: Mapped[float] = mapped_column(Float)
+    effective: Mapped[bool] = mapped_column(Boolean, default=True)
+
+
+class ValidationJob(Base):
+    __tablename__ = "validation_jobs"
+    __table_args__ = (
+        Index("ix_validation_jobs_due", "status", "pool", "priority", "not_before"),
+        Index("ix_validation_jobs_lease", "status", "lease_expires_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), index=True
+    )
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    idempotency_key: Mapped[str] = mapped_column(String(512), unique=True)
+    validate_fn_ref: Mapped[str | None] = mapped_column(Text, nullable=True)
+    validate_fn_pickle: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    validate_fn_name: Mapped[str] = mapped_column(String(512), default="")
+    validate_config: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    executor_kind: Mapped[str] = mapped_column(String(32))
+    resources: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    pool: Mapped[str] = mapped_column(String(128))
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    max_attempts: Mapped[int] = mapped_column(Integer, default=3)
+    not_before: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    lease_owner: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    # Fencing token: bumped on every claim; only its holder may finish the job.
+    lease_token: Mapped[int] = mapped_column(BigInteger, default=0)
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    timeout_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    error_type: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error_traceback: Mapped[str | None] = mapped_column(Text, nullable=True)
+    result_metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+
+    checkpoint: Mapped[Checkpoint] = relationship(back_populates="jobs")
+    attempt_rows: Mapped[list[ValidationAttempt]] = relationship(
+        back_populates="job", order_by="ValidationAttempt.attempt"
+    )
+
+
+class ValidationAttempt(Base):
+    """One execution of a job: where it ran and when, as reported by the executor."""
+
+    __tablename__ = "validation_attempts"
+    __table_args__ = (UniqueConstraint("job_id", "attempt", name="uq_validation_attempts_job"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(
+        ForeignKey("validation_jobs.id", ondelete="CASCADE"), index=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer)
+    lease_token: Mapped[int] = mapped_column(BigInteger)
+    lease_owner: Mapped[str] = mapped_column(String(255))
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.RUNNING.value)
+    claimed_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    node_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    worker_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+    job: Mapped[ValidationJob] = relationship(back_populates="attempt_rows")

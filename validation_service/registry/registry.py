@@ -1,0 +1,958 @@
+"""Registry: the only code that touches the database (runs, checkpoints, metrics, jobs)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import random
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, selectinload, sessionmaker
+
+from validation_service.config import Settings, get_settings
+from validation_service.errors import (
+    InvalidInput,
+    JobNotFound,
+    RunNotFound,
+    UnknownMetric,
+)
+from validation_service.jobs import (
+    ACTIVE_JOB_STATUSES,
+    JOB_TO_VALIDATION_STATUS,
+    JobStatus,
+    MetricSource,
+    RunStatus,
+    ValidationStatus,
+)
+from validation_service.metrics import normalize_metrics, rankable
+from validation_service.registry import _migrate
+from validation_service.registry._engine import create_registry_engine, is_sqlite
+from validation_service.registry.models import (
+    Checkpoint,
+    MetricValue,
+    Run,
+    ValidationAttempt,
+    ValidationJob,
+    utcnow,
+)
+from validation_service.registry.records import (
+    AttemptRecord,
+    CheckpointRecord,
+    ClaimedJob,
+    JobOutcome,
+    JobRecord,
+    JobSpec,
+    Registration,
+    RunRecord,
+)
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["max", "min"]
+_ACTIVE = [s.value for s in ACTIVE_JOB_STATUSES]
+
+
+class Registry:
+    """Durable checkpoint registry and validation queue over SQLite or PostgreSQL.
+
+    ``Registry()`` opens the configured default (``CKVAL_DATABASE_URL``, else the
+    embedded SQLite under ``CKVAL_HOME``). An embedded SQLite file is created and
+    migrated on first use; a server database is migrated with ``ckval db upgrade``.
+    """
+
+    def __init__(
+        self,
+        database_url: str | None = None,
+        *,
+        namespace: str | None = None,
+        settings: Settings | None = None,
+        upgrade: bool | None = None,
+        check_schema: bool = True,
+    ):
+        self.settings = settings or get_settings()
+        self.url = database_url or self.settings.resolved_database_url()
+        self.namespace = namespace or self.settings.namespace
+        self.engine = create_registry_engine(self.url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        if upgrade is None:
+            upgrade = is_sqlite(self.url)
+        if check_schema:
+            self._check_schema(upgrade)
+
+    # ----------------------------------------------------------------- schema
+    def _check_schema(self, upgrade: bool) -> None:
+        head = _migrate.head_revision(self.url)
+        current = _migrate.current_revision(self.engine)
+        if current == head:
+            return
+        if upgrade:
+            self.upgrade()
+            return
+        raise RuntimeError(
+            f"The registry database {self.engine.url.render_as_string(hide_password=True)} is "
+            f"at schema revision {current or 'none (empty)'}, this ckval needs {head}. "
+            "Run `ckval db upgrade` (with CKVAL_DATABASE_URL set) to migrate it."
+        )
+
+    def upgrade(self, revision: str = "head") -> None:
+        _migrate.upgrade(self.engine, self.url, revision)
+
+    def downgrade(self, revision: str) -> None:
+        _migrate.downgrade(self.engine, self.url, revision)
+
+    def schema_revision(self) -> str | None:
+        return _migrate.current_revision(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __repr__(self) -> str:
+        url = self.engine.url.render_as_string(hide_password=True)
+        return f"Registry({url!r}, namespace={self.namespace!r})"
+
+    def _session(self) -> Session:
+        return self._sessions()
+
+    # ------------------------------------------------------------------- runs
+    def ensure_run(
+        self,
+        name: str,
+        *,
+        storage_root: str,
+        tags: dict[str, Any] | None = None,
+    ) -> int:
+        """Returns the id of the named run in this namespace, creating it if needed."""
+        _check_run_name(name)
+        for _ in range(3):
+            with self._session() as session, session.begin():
+                run_id = session.scalar(self._run_id_query(name))
+                if run_id is not None:
+                    return run_id
+            try:
+                with self._session() as session, session.begin():
+                    run = Run(
+                        name=name,
+                        namespace=self.namespace,
+                        storage_root=storage_root,
+                        tags=tags or {},
+                    )
+                    session.add(run)
+                    session.flush()
+                    return run.id
+            except IntegrityError:
+                continue  # another reporter created it first
+        raise RuntimeError(f"could not create or find run {name!r}")
+
+    def runs(self) -> list[RunRecord]:
+        with self._session() as session:
+            rows = session.scalars(
+                select(Run).where(Run.namespace == self.namespace).order_by(Run.id)
+            ).all()
+            return [_run_record(r) for r in rows]
+
+    def get_run(self, name: str) -> RunRecord:
+        with self._session() as session:
+            run = session.scalar(
+                select(Run).where(Run.namespace == self.namespace, Run.name == name)
+            )
+            if run is None:
+                raise self._run_not_found(session, name)
+            return _run_record(run)
+
+    def set_run_status(self, name: str, status: RunStatus) -> None:
+        with self._session() as session, session.begin():
+            run_id = self._require_run_id(session, name)
+            session.execute(update(Run).where(Run.id == run_id).values(status=status.value))
+
+    def _run_id_query(self, name: str):
+        return select(Run.id).where(Run.namespace == self.namespace, Run.name == name)
+
+    def _require_run_id(self, session: Session, name: str) -> int:
+        run_id = session.scalar(self._run_id_query(name))
+        if run_id is None:
+            raise self._run_not_found(session, name)
+        return run_id
+
+    def _run_not_found(self, session: Session, name: str) -> RunNotFound:
+        known = session.scalars(
+            select(Run.name).where(Run.namespace == self.namespace).limit(50)
+        ).all()
+        return RunNotFound(name, self.namespace, list(known))
+
+    # ------------------------------------------------------------ checkpoints
+    def next_report_index(self, run_id: int) -> int:
+        with self._session() as session:
+            current = session.scalar(
+                select(func.max(Checkpoint.report_index)).where(Checkpoint.run_id == run_id)
+            )
+            return 0 if current is None else current + 1
+
+    def register_checkpoint(
+        self,
+        run_id: int,
+        report_index: int,
+        *,
+        uri: str,
+        size_bytes: int,
+        manifest_sha256: str | None,
+        reported_metrics: dict[str, Any],
+        step: int | None = None,
+        epoch: int | None = None,
+        job: JobSpec | None = None,
+    ) -> Registration:
+        """Registers a checkpoint and enqueues its validation in one transaction.
+
+        Idempotent: the same run + report index returns the rows made the first time.
+        """
+        metrics = normalize_metrics(reported_metrics, what="reported metrics")
+        if job is not None and job.max_attempts < 1:
+            raise InvalidInput(f"max_attempts must be at least 1, got {job.max_attempts}")
+        try:
+            with self._session() as session, session.begin():
+                existing = self._find_registration(session, run_id, report_index)
+                if existing is not None:
+                    return existing
+                now = utcnow()
+                checkpoint = Checkpoint(
+                    run_id=run_id,
+                    report_index=report_index,
+                    step=step,
+                    epoch=epoch,
+                    uri=uri,
+                    size_bytes=size_bytes,
+                    manifest_sha256=manifest_sha256,
+                    created_at=now,
+                    reported_metrics=metrics,
+                    metrics=dict(metrics),
+                    validation_status=(
+                        ValidationStatus.PENDING.value if job else ValidationStatus.NONE.value
+                    ),
+                )
+                session.add(checkpoint)
+                session.flush()
+                session.add_all(
+                    MetricValue(
+                        checkpoint_id=checkpoint.id,
+                        run_id=run_id,
+                        name=name,
+                        source=MetricSource.REPORTED.value,
+                        value=value,
+                        effective=True,
+                    )
+                    for name, value in rankable(metrics).items()
+                )
+                job_id = None
+                if job is not None:
+                    job_row = ValidationJob(
+                        checkpoint_id=checkpoint.id,
+                        run_id=run_id,
+                        idempotency_key=_idempotency_key(run_id, report_index),
+                        validate_fn_ref=job.validate_fn_ref,
+                        validate_fn_pickle=job.validate_fn_pickle,
+                        validate_fn_name=job.validate_fn_name[:512],
+                        validate_config=job.validate_config,
+                        executor_kind=job.executor_kind,
+                        resources=job.resources,
+                        pool=job.pool,
+                        priority=job.priority,
+                        max_attempts=job.max_attempts,
+                        timeout_s=job.timeout_s,
+                        not_before=now,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                    session.add(job_row)
+                    session.flush()
+                    job_id = job_row.id
+                return Registration(run_id, checkpoint.id, job_id, created=True)
+        except IntegrityError:
+            # A concurrent registration of the same run + report index won the race.
+            with self._session() as session:
+                existing = self._find_registration(session, run_id, report_index)
+            if existing is None:
+                raise
+            return existing
+
+    def _find_registration(
+        self, session: Session, run_id: int, report_index: int
+    ) -> Registration | None:
+        checkpoint_id = session.scalar(
+            select(Checkpoint.id).where(
+                Checkpoint.run_id == run_id, Checkpoint.report_index == report_index
+            )
+        )
+        if checkpoint_id is None:
+            return None
+        job_id = session.scalar(
+            select(ValidationJob.id).where(
+                ValidationJob.idempotency_key == _idempotency_key(run_id, report_index)
+            )
+        )
+        return Registration(run_id, checkpoint_id, job_id, created=False)
+
+    def checkpoints(self, run: str, *, include_deleted: bool = False) -> list[CheckpointRecord]:
+        with self._session() as session:
+            run_id = self._require_run_id(session, run)
+            query = select(Checkpoint).where(Checkpoint.run_id == run_id)
+            if not include_deleted:
+                query = query.where(Checkpoint.deleted_at.is_(None))
+            rows = session.scalars(query.order_by(Checkpoint.report_index)).all()
+            return [_checkpoint_record(c, run) for c in rows]
+
+    def get_checkpoint(self, checkpoint_id: int) -> CheckpointRecord:
+        with self._session() as session:
+            row = session.get(Checkpoint, checkpoint_id, options=[selectinload(Checkpoint.run)])
+            if row is None:
+                raise LookupError(f"No checkpoint with id {checkpoint_id}.")
+            return _checkpoint_record(row, row.run.name)
+
+    def latest_checkpoint(self, run: str):
+        """The newest checkpoint of the run as a ray.train.Checkpoint (resume after a crash)."""
+        with self._session() as session:
+            run_id = self._require_run_id(session, run)
+            row = session.scalar(
+                select(Checkpoint)
+                .where(Checkpoint.run_id == run_id, Checkpoint.deleted_at.is_(None))
+                .order_by(Checkpoint.report_index.desc())
+                .limit(1)
+            )
+            return None if row is None else _checkpoint_record(row, run).to_ray_checkpoint()
+
+    def best_checkpoints(
+        self, run: str | None, metric: str, mode: Mode = "max", k: int = 1
+    ) -> list[tuple[Any, dict[str, Any]]]:
+        """Top-k checkpoints by a metric: [(ray.train.Checkpoint, metrics), ...].
+
+        Uses the merged metrics (a validated value overrides a reported one of the same
+        name). NaN and infinite values are never ranked. Ties go to the earlier report.
+        """
+        return [
+            (record.to_ray_checkpoint(), record.metrics)
+            for record in self.best_checkpoint_records(run, metric, mode, k)
+        ]
+
+    def best_checkpoint_records(
+        self, run: str | None, metric: str, mode: Mode = "max", k: int = 1
+    ) -> list[CheckpointRecord]:
+        if mode not in ("max", "min"):
+            raise InvalidInput(f"mode must be 'max' or 'min', got {mode!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise InvalidInput(f"k must be a positive int, got {k!r}")
+        with self._session() as session:
+            conditions = [MetricValue.name == metric, MetricValue.effective.is_(True)]
+            run_id = None
+            if run is not None:
+                run_id = self._require_run_id(session, run)
+                conditions.insert(0, MetricValue.run_id == run_id)
+            else:
+                conditions.append(
+                    MetricValue.run_id.in_(select(Run.id).where(Run.namespace == self.namespace))
+                )
+            order = MetricValue.value.desc() if mode == "max" else MetricValue.value.asc()
+            ranked = (
+                session.execute(
+                    select(MetricValue.checkpoint_id)
+                    .where(*conditions)
+                    .order_by(order, MetricValue.checkpoint_id.asc())
+                    .limit(k)
+                )
+                .scalars()
+                .all()
+            )
+            if not ranked:
+                self._raise_if_unknown_metric(session, run, run_id, metric)
+                return []
+            rows = session.scalars(
+                select(Checkpoint)
+                .options(selectinload(Checkpoint.run))
+                .where(Checkpoint.id.in_(ranked))
+            ).all()
+            by_id = {row.id: row for row in rows}
+            return [_checkpoint_record(by_id[i], by_id[i].run.name) for i in ranked]
+
+    def _raise_if_unknown_metric(
+        self, session: Session, run: str | None, run_id: int | None, metric: str
+    ) -> None:
+        query = select(Checkpoint.reported_metrics, Checkpoint.validated_metrics)
+        if run_id is not None:
+            query = query.where(Checkpoint.run_id == run_id)
+        else:
+            query = query.join(Run).where(Run.namespace == self.namespace)
+        known: set[str] = set()
+        for reported, validated in session.execute(query.limit(10_000)):
+            known.update(reported or {})
+            known.update(validated or {})
+        if metric in known:
+            return  # recorded, but only as NaN/inf or non-numeric values
+        pending = session.scalar(
+            select(func.count(ValidationJob.id)).where(
+                ValidationJob.status.in_(_ACTIVE),
+                *([ValidationJob.run_id == run_id] if run_id is not None else []),
+            )
+        )
+        if pending:
+            return  # the metric may still arrive with a pending validation
+        raise UnknownMetric(metric, run, sorted(known))
+
+    def delete_checkpoint(self, checkpoint_id: int) -> None:
+        """Marks a checkpoint deleted: it keeps its rows but is never ranked again."""
+        with self._session() as session, session.begin():
+            session.execute(
+                update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(deleted_at=utcnow())
+            )
+            session.execute(
+                update(MetricValue)
+                .where(MetricValue.checkpoint_id == checkpoint_id)
+                .values(effective=False)
+            )
+
+    # ------------------------------------------------------------------- jobs
+    def validations(self, run: str) -> list[JobRecord]:
+        with self._session() as session:
+            run_id = self._require_run_id(session, run)
+            rows = session.execute(
+                select(ValidationJob, Checkpoint.report_index)
+                .join(Checkpoint, Checkpoint.id == ValidationJob.checkpoint_id)
+                .options(selectinload(ValidationJob.attempt_rows))
+                .where(ValidationJob.run_id == run_id)
+                .order_by(ValidationJob.id)
+            ).all()
+            return [_job_record(job, run, index) for job, index in rows]
+
+    def get_job(self, job_id: int) -> JobRecord:
+        with self._session() as session:
+            row = session.execute(
+                select(ValidationJob, Checkpoint.report_index, Run.name)
+                .join(Checkpoint, Checkpoint.id == ValidationJob.checkpoint_id)
+                .join(Run, Run.id == ValidationJob.run_id)
+                .options(selectinload(ValidationJob.attempt_rows))
+                .where(ValidationJob.id == job_id)
+            ).first()
+            if row is None:
+                raise JobNotFound(job_id)
+            job, index, run = row
+            return _job_record(job, run, index)
+
+    def job_counts(self, run: str | None = None) -> dict[str, int]:
+        with self._session() as session:
+            query = select(ValidationJob.status, func.count(ValidationJob.id)).group_by(
+                ValidationJob.status
+            )
+            if run is not None:
+                query = query.where(ValidationJob.run_id == self._require_run_id(session, run))
+            return {status: count for status, count in session.execute(query)}
+
+    def wait(self, run: str, timeout_s: float = 300.0, poll_s: float = 0.05) -> None:
+        """Returns when no job of the run is QUEUED or RUNNING; raises TimeoutError otherwise."""
+        deadline = time.monotonic() + timeout_s
+        with self._session() as session:
+            run_id = self._require_run_id(session, run)
+        active_query = select(func.count(ValidationJob.id)).where(
+            ValidationJob.run_id == run_id, ValidationJob.status.in_(_ACTIVE)
+        )
+        while True:
+            with self._session() as session:
+                active = session.scalar(active_query)
+            if not active:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{active} validation(s) of run {run!r} still QUEUED or RUNNING after "
+                    f"{timeout_s:g}s. Is the service running? (`ckval status`)"
+                )
+            time.sleep(poll_s)
+
+    def due_pools(self, now: dt.datetime | None = None) -> list[str]:
+        """Pools that have at least one QUEUED job whose not_before has passed."""
+        now = now or utcnow()
+        with self._session() as session:
+            return list(
+                session.scalars(
+                    select(ValidationJob.pool)
+                    .where(
+                        ValidationJob.status == JobStatus.QUEUED.value,
+                        ValidationJob.not_before <= now,
+                    )
+                    .distinct()
+                )
+            )
+
+    def next_due_at(self) -> dt.datetime | None:
+        with self._session() as session:
+            return session.scalar(
+                select(func.min(ValidationJob.not_before)).where(
+                    ValidationJob.status == JobStatus.QUEUED.value
+                )
+            )
+
+    def claim_due_jobs(
+        self,
+        owner: str,
+        pool_limits: dict[str, int],
+        *,
+        lease_s: float,
+        default_limit: int = 4,
+        max_jobs: int = 64,
+    ) -> list[ClaimedJob]:
+        """Claims due QUEUED jobs, at most each pool's limit minus its RUNNING jobs.
+
+        Each claimed job moves to RUNNING with a new fencing token and a lease of
+        ``lease_s`` seconds; an attempt row is opened for it.
+        """
+        now = utcnow()
+        expires = now + dt.timedelta(seconds=lease_s)
+        claimed: list[ClaimedJob] = []
+        with self._session() as session, session.begin():
+            running = dict(
+                session.execute(
+                    select(ValidationJob.pool, func.count(ValidationJob.id))
+                    .where(ValidationJob.status == JobStatus.RUNNING.value)
+                    .group_by(ValidationJob.pool)
+                ).all()
+            )
+            pools = session.scalars(
+                select(ValidationJob.pool)
+                .where(
+                    ValidationJob.status == JobStatus.QUEUED.value,
+                    ValidationJob.not_before <= now,
+                )
+                .distinct()
+            ).all()
+            for pool in pools:
+                free = pool_limits.get(pool, default_limit) - running.get(pool, 0)
+                free = min(free, max_jobs - len(claimed))
+                if free <= 0:
+                    continue
+                ids = self._lock_due_job_ids(session, pool, now, free)
+                for job in session.scalars(
+                    select(ValidationJob)
+                    .options(selectinload(ValidationJob.checkpoint).selectinload(Checkpoint.run))
+                    .where(ValidationJob.id.in_(ids))
+                    .order_by(ValidationJob.priority.desc(), ValidationJob.id.asc())
+                ):
+                    job.status = JobStatus.RUNNING.value
+                    job.attempts += 1
+                    job.lease_token += 1
+                    job.lease_owner = owner
+                    job.lease_expires_at = expires
+                    job.updated_at = now
+                    job.started_at = job.started_at or now
+                    job.checkpoint.validation_status = ValidationStatus.RUNNING.value
+                    session.add(
+                        ValidationAttempt(
+                            job_id=job.id,
+                            attempt=job.attempts,
+                            lease_token=job.lease_token,
+                            lease_owner=owner,
+                            status=JobStatus.RUNNING.value,
+                            claimed_at=now,
+                        )
+                    )
+                    claimed.append(_claimed_job(job, expires))
+        return claimed
+
+    def _lock_due_job_ids(
+        self, session: Session, pool: str, now: dt.datetime, limit: int
+    ) -> list[int]:
+        # FOR UPDATE SKIP LOCKED lets several schedulers claim from one PostgreSQL queue
+        # without blocking on each other's rows. SQLite ignores it: there the whole
+        # transaction holds the write lock (BEGIN IMMEDIATE, see _engine.py).
+        query = (
+            select(ValidationJob.id)
+            .where(
+                ValidationJob.status == JobStatus.QUEUED.value,
+                ValidationJob.pool == pool,
+                ValidationJob.not_before <= now,
+            )
+            .order_by(ValidationJob.priority.desc(), ValidationJob.id.asc())
+            .limit(limit)
+        )
+        if session.bind.dialect.name == "postgresql":
+            query = query.with_for_update(skip_locked=True)
+        return list(session.scalars(query))
+
+    def heartbeat(
+        self, owner: str, leases: Iterable[tuple[int, int]], *, lease_s: float
+    ) -> set[int]:
+        """Extends the leases this owner still holds; returns the ids of those jobs.
+
+        A job missing from the result was cancelled or taken over: its attempt must stop.
+        """
+        leases = list(leases)
+        if not leases:
+            return set()
+        expires = utcnow() + dt.timedelta(seconds=lease_s)
+        held = and_(
+            ValidationJob.status == JobStatus.RUNNING.value,
+            ValidationJob.lease_owner == owner,
+            or_(
+                *(
+                    and_(ValidationJob.id == job_id, ValidationJob.lease_token == token)
+                    for job_id, token in leases
+                )
+            ),
+        )
+        with self._session() as session, session.begin():
+            session.execute(update(ValidationJob).where(held).values(lease_expires_at=expires))
+            return set(session.scalars(select(ValidationJob.id).where(held)))
+
+    def record_attempt_start(
+        self,
+        job_id: int,
+        lease_token: int,
+        *,
+        node_id: str | None,
+        worker_pid: int | None,
+        started_at: dt.datetime,
+    ) -> None:
+        with self._session() as session, session.begin():
+            session.execute(
+                update(ValidationAttempt)
+                .where(
+                    ValidationAttempt.job_id == job_id,
+                    ValidationAttempt.lease_token == lease_token,
+                )
+                .values(node_id=node_id, worker_pid=worker_pid, started_at=started_at)
+            )
+
+    def finish_job(self, job_id: int, lease_token: int, outcome: JobOutcome) -> bool:
+        """Records one attempt's outcome; only the current lease token may do so.
+
+        Success merges the validated metrics into the checkpoint. A failure is
+        requeued with backoff while attempts remain and the error is retryable, else
+        the job ends FAILED (or TIMED_OUT). Returns False, changing nothing, when the
+        token is stale: a newer attempt owns the job.
+        """
+        metrics: dict[str, Any] | None = None
+        if outcome.succeeded:
+            try:
+                metrics = normalize_metrics(outcome.metrics, what="validate_fn's return value")
+            except InvalidInput as exc:
+                outcome = JobOutcome(
+                    succeeded=False,
+                    error_type="InvalidInput",
+                    error_message=str(exc),
+                    retryable=False,
+                    node_id=outcome.node_id,
+                    worker_pid=outcome.worker_pid,
+                    started_at=outcome.started_at,
+                    finished_at=outcome.finished_at,
+                )
+        now = utcnow()
+        with self._session() as session, session.begin():
+            job = session.scalar(
+                select(ValidationJob)
+                .options(selectinload(ValidationJob.checkpoint))
+                .where(
+                    ValidationJob.id == job_id,
+                    ValidationJob.lease_token == lease_token,
+                    ValidationJob.status == JobStatus.RUNNING.value,
+                )
+            )
+            if job is None:
+                logger.warning(
+                    "discarding the result of job %s with stale lease token %s",
+                    job_id,
+                    lease_token,
+                )
+                return False
+            if outcome.succeeded:
+                status = JobStatus.SUCCEEDED
+                self._merge_validated(session, job.checkpoint, metrics or {})
+                job.result_metrics = metrics
+                job.error_type = job.error_message = job.error_traceback = None
+            else:
+                status = self._failure_status(job, outcome)
+                job.error_type = outcome.error_type
+                job.error_message = outcome.error_message
+                job.error_traceback = outcome.error_traceback
+                if status is JobStatus.QUEUED:
+                    job.not_before = now + dt.timedelta(seconds=self._backoff_s(job.attempts))
+            job.status = status.value
+            job.updated_at = now
+            job.lease_owner = None
+            job.lease_expires_at = None
+            if status.is_terminal:
+                job.finished_at = now
+            job.checkpoint.validation_status = JOB_TO_VALIDATION_STATUS[status].value
+            attempt_status = status if status.is_terminal else JobStatus.FAILED
+            session.execute(
+                update(ValidationAttempt)
+                .where(
+                    ValidationAttempt.job_id == job_id,
+                    ValidationAttempt.lease_token == lease_token,
+                )
+                .values(
+                    status=attempt_status.value,
+                    node_id=outcome.node_id,
+                    worker_pid=outcome.worker_pid,
+                    started_at=outcome.started_at,
+                    finished_at=outcome.finished_at or now,
+                    error_message=None if outcome.succeeded else outcome.error_message,
+                )
+            )
+            return True
+
+    def _failure_status(self, job: ValidationJob, outcome: JobOutcome) -> JobStatus:
+        if outcome.retryable and job.attempts < job.max_attempts:
+            return JobStatus.QUEUED
+        return JobStatus.TIMED_OUT if outcome.timed_out else JobStatus.FAILED
+
+    def _backoff_s(self, attempts: int) -> float:
+        # Exponential backoff with full jitter in its upper half.
+        base = self.settings.retry_backoff_s * 2 ** max(attempts - 1, 0)
+        return min(base, self.settings.retry_backoff_max_s) * random.uniform(0.5, 1.0)
+
+    def _merge_validated(
+        self, session: Session, checkpoint: Checkpoint, validated: dict[str, Any]
+    ) -> None:
+        checkpoint.validated_metrics = validated
+        checkpoint.metrics = {**checkpoint.reported_metrics, **validated}
+        # Re-validation replaces the earlier validated values instead of adding to them.
+        session.execute(
+            delete(MetricValue).where(
+                MetricValue.checkpoint_id == checkpoint.id,
+                MetricValue.source == MetricSource.VALIDATED.value,
+            )
+        )
+        session.execute(
+            update(MetricValue)
+            .where(MetricValue.checkpoint_id == checkpoint.id)
+            .values(effective=MetricValue.name.not_in(list(validated)) if validated else True)
+        )
+        session.add_all(
+            MetricValue(
+                checkpoint_id=checkpoint.id,
+                run_id=checkpoint.run_id,
+                name=name,
+                source=MetricSource.VALIDATED.value,
+                value=value,
+                effective=checkpoint.deleted_at is None,
+            )
+            for name, value in rankable(validated).items()
+        )
+
+    def requeue_expired(self, now: dt.datetime | None = None) -> list[int]:
+        """RUNNING jobs whose lease ran out go back to QUEUED (or FAILED when out of attempts)."""
+        now = now or utcnow()
+        requeued: list[int] = []
+        with self._session() as session, session.begin():
+            jobs = session.scalars(
+                select(ValidationJob)
+                .options(selectinload(ValidationJob.checkpoint))
+                .where(
+                    ValidationJob.status == JobStatus.RUNNING.value,
+                    ValidationJob.lease_expires_at < now,
+                )
+            ).all()
+            for job in jobs:
+                message = (
+                    f"lease held by {job.lease_owner} expired at {job.lease_expires_at}; "
+                    "the service or node running it was lost"
+                )
+                session.execute(
+                    update(ValidationAttempt)
+                    .where(
+                        ValidationAttempt.job_id == job.id,
+                        ValidationAttempt.lease_token == job.lease_token,
+                    )
+                    .values(status=JobStatus.FAILED.value, finished_at=now, error_message=message)
+                )
+                if job.attempts < job.max_attempts:
+                    status = JobStatus.QUEUED
+                    job.not_before = now
+                    requeued.append(job.id)
+                else:
+                    status = JobStatus.FAILED
+                    job.finished_at = now
+                    job.error_type = "LeaseExpired"
+                    job.error_message = message
+                job.status = status.value
+                job.lease_owner = None
+                job.lease_expires_at = None
+                job.updated_at = now
+                job.checkpoint.validation_status = JOB_TO_VALIDATION_STATUS[status].value
+        return requeued
+
+    def cancel_jobs(
+        self, job_ids: Sequence[int] | None = None, *, run: str | None = None, reason: str = ""
+    ) -> list[int]:
+        """Cancels QUEUED and RUNNING jobs; a RUNNING one loses its lease at once."""
+        if job_ids is None and run is None:
+            raise InvalidInput("cancel needs job ids or a run name")
+        now = utcnow()
+        with self._session() as session, session.begin():
+            query = (
+                select(ValidationJob)
+                .options(selectinload(ValidationJob.checkpoint))
+                .where(ValidationJob.status.in_(_ACTIVE))
+            )
+            if job_ids is not None:
+                query = query.where(ValidationJob.id.in_(list(job_ids)))
+            if run is not None:
+                query = query.where(ValidationJob.run_id == self._require_run_id(session, run))
+            cancelled = []
+            for job in session.scalars(query):
+                job.status = JobStatus.CANCELLED.value
+                job.error_message = reason or "cancelled by the user"
+                job.lease_owner = None
+                job.lease_expires_at = None
+                job.finished_at = now
+                job.updated_at = now
+                job.checkpoint.validation_status = ValidationStatus.CANCELLED.value
+                cancelled.append(job.id)
+            return cancelled
+
+    def retry_jobs(
+        self, job_ids: Sequence[int] | None = None, *, run: str | None = None
+    ) -> list[int]:
+        """Requeues FAILED, TIMED_OUT and CANCELLED jobs with a fresh attempt budget."""
+        if job_ids is None and run is None:
+            raise InvalidInput("retry needs job ids or a run name")
+        now = utcnow()
+        retryable = [JobStatus.FAILED.value, JobStatus.TIMED_OUT.value, JobStatus.CANCELLED.value]
+        with self._session() as session, session.begin():
+            query = (
+                select(ValidationJob)
+                .options(selectinload(ValidationJob.checkpoint))
+                .where(ValidationJob.status.in_(retryable))
+            )
+            if job_ids is not None:
+                query = query.where(ValidationJob.id.in_(list(job_ids)))
+            if run is not None:
+                query = query.where(ValidationJob.run_id == self._require_run_id(session, run))
+            requeued = []
+            for job in session.scalars(query):
+                job.status = JobStatus.QUEUED.value
+                job.max_attempts = job.attempts + max(job.max_attempts, 1)
+                job.not_before = now
+                job.finished_at = None
+                job.updated_at = now
+                job.checkpoint.validation_status = ValidationStatus.PENDING.value
+                requeued.append(job.id)
+            return requeued
+
+    def job_lease(self, job_id: int) -> tuple[str, int | None]:
+        """(status, lease token) of a job, for executors to notice a cancellation."""
+        with self._session() as session:
+            row = session.execute(
+                select(ValidationJob.status, ValidationJob.lease_token).where(
+                    ValidationJob.id == job_id
+                )
+            ).first()
+            if row is None:
+                raise JobNotFound(job_id)
+            return row[0], row[1]
+
+
+def _idempotency_key(run_id: int, report_index: int) -> str:
+    return f"run:{run_id}/report:{report_index}"
+
+
+def _check_run_name(name: str) -> None:
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidInput(f"run name must be a non-empty str, got {name!r}")
+    if len(name) > 255 or any(c in name for c in "\x00/\\") or name in (".", ".."):
+        raise InvalidInput(
+            f"run name {name!r} is not allowed: use at most 255 characters, "
+            "no '/', '\\' or NUL, and not '.' or '..'"
+        )
+
+
+def _run_record(run: Run) -> RunRecord:
+    return RunRecord(
+        run.id, run.name, run.namespace, run.storage_root, run.created_at, run.status, run.tags
+    )
+
+
+def _checkpoint_record(c: Checkpoint, run: str) -> CheckpointRecord:
+    return CheckpointRecord(
+        id=c.id,
+        run=run,
+        report_index=c.report_index,
+        step=c.step,
+        epoch=c.epoch,
+        uri=c.uri,
+        size_bytes=c.size_bytes,
+        manifest_sha256=c.manifest_sha256,
+        created_at=c.created_at,
+        reported_metrics=c.reported_metrics,
+        validated_metrics=c.validated_metrics,
+        metrics=c.metrics,
+        validation_status=c.validation_status,
+        deleted_at=c.deleted_at,
+    )
+
+
+def _job_record(job: ValidationJob, run: str, report_index: int) -> JobRecord:
+    return JobRecord(
+        id=job.id,
+        run=run,
+        checkpoint_id=job.checkpoint_id,
+        report_index=report_index,
+        status=job.status,
+        attempts=job.attempts,
+        max_attempts=job.max_attempts,
+        priority=job.priority,
+        pool=job.pool,
+        resources=job.resources,
+        executor_kind=job.executor_kind,
+        validate_fn_name=job.validate_fn_name,
+        not_before=job.not_before,
+        lease_owner=job.lease_owner,
+        lease_token=job.lease_token,
+        lease_expires_at=job.lease_expires_at,
+        timeout_s=job.timeout_s,
+        error_type=job.error_type,
+        error_message=job.error_message,
+        error_traceback=job.error_traceback,
+        result_metrics=job.result_metrics,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        attempt_history=tuple(
+            AttemptRecord(
+                a.attempt,
+                a.lease_token,
+                a.lease_owner,
+                a.status,
+                a.claimed_at,
+                a.started_at,
+                a.finished_at,
+                a.node_id,
+                a.worker_pid,
+                a.error_message,
+            )
+            for a in job.attempt_rows
+        ),
+    )
+
+
+def _claimed_job(job: ValidationJob, expires: dt.datetime) -> ClaimedJob:
+    checkpoint = job.checkpoint
+    return ClaimedJob(
+        job_id=job.id,
+        lease_token=job.lease_token,
+        attempt=job.attempts,
+        max_attempts=job.max_attempts,
+        run=checkpoint.run.name,
+        namespace=checkpoint.run.namespace,
+        checkpoint_id=checkpoint.id,
+        report_index=checkpoint.report_index,
+        uri=checkpoint.uri,
+        storage_root=checkpoint.run.storage_root,
+        manifest_sha256=checkpoint.manifest_sha256,
+        reported_metrics=checkpoint.reported_metrics,
+        validate_fn_ref=job.validate_fn_ref,
+        validate_fn_pickle=job.validate_fn_pickle,
+        validate_config=job.validate_config,
+        executor_kind=job.executor_kind,
+        resources=job.resources,
+        pool=job.pool,
+        timeout_s=job.timeout_s,
+        lease_expires_at=expires,
+    )

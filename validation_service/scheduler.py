@@ -1,0 +1,184 @@
+"""The scheduler loop: claim due jobs -> launch executors -> collect -> record outcomes.
+
+Leases are held with heartbeats, expired leases of lost schedulers are requeued, and
+attempts past their timeout are cancelled. All database work goes through Registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from validation_service.config import Settings
+from validation_service.executors import Executor, default_executors
+from validation_service.registry.records import ClaimedJob, JobOutcome
+from validation_service.registry.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        registry: Registry,
+        settings: Settings,
+        *,
+        owner: str | None = None,
+        executors: dict[str, Executor] | None = None,
+    ):
+        self.registry = registry
+        self.settings = settings
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.executors = executors or default_executors(settings)
+        self._in_flight: dict[int, tuple[Executor, Any]] = {}  # job id -> (executor, handle)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._last_heartbeat = 0.0
+        self._last_expiry_scan = 0.0
+        self.stats = {"claimed": 0, "finished": 0, "stale": 0, "timed_out": 0, "ticks": 0}
+
+    # ------------------------------------------------------------- controls
+    def wake(self) -> None:
+        """Nudge: new work was enqueued; claim at once instead of at the next poll."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def run_forever(self) -> None:
+        logger.info("scheduler %s started", self.owner)
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a database blip must not kill the loop
+                logger.exception("scheduler tick failed; retrying")
+                self._stop.wait(1.0)
+            self._wake.wait(self.settings.poll_interval_s)
+            self._wake.clear()
+        self._cancel_all()
+        logger.info("scheduler %s stopped", self.owner)
+
+    # ----------------------------------------------------------------- loop
+    def tick(self) -> None:
+        self.stats["ticks"] += 1
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.settings.heartbeat_s:
+            self._heartbeat()
+            self._last_heartbeat = now
+        if now - self._last_expiry_scan >= self.settings.heartbeat_s:
+            requeued = self.registry.requeue_expired()
+            if requeued:
+                logger.warning("requeued jobs with expired leases: %s", requeued)
+            self._last_expiry_scan = now
+        self._collect()
+        self._enforce_timeouts()
+        self._claim_and_launch()
+
+    def _claim_and_launch(self) -> None:
+        claimed = self.registry.claim_due_jobs(
+            self.owner,
+            self.settings.pools,
+            lease_s=self.settings.lease_s,
+            default_limit=self.settings.default_pool_size,
+        )
+        for job in claimed:
+            self.stats["claimed"] += 1
+            self._launch(job)
+
+    def _launch(self, job: ClaimedJob) -> None:
+        executor = self.executors.get(job.executor_kind)
+        if executor is None:
+            self.registry.finish_job(
+                job.job_id,
+                job.lease_token,
+                JobOutcome(
+                    succeeded=False,
+                    error_type="UnknownExecutor",
+                    error_message=f"no executor for kind {job.executor_kind!r}",
+                    retryable=False,
+                ),
+            )
+            return
+        try:
+            handle = executor.launch(job)
+        except Exception as exc:  # noqa: BLE001 - recorded as a retryable failure
+            logger.exception("launching job %s failed", job.job_id)
+            self._finish(
+                job,
+                JobOutcome(
+                    succeeded=False,
+                    error_type=type(exc).__name__,
+                    error_message=str(exc),
+                    retryable=True,
+                ),
+            )
+            return
+        self._in_flight[job.job_id] = (executor, handle)
+        future = getattr(getattr(handle, "ref", None), "future", None)
+        if callable(future):
+            # Wake the loop the moment the attempt ends, not at the next poll.
+            future().add_done_callback(lambda _f: self._wake.set())
+
+    def _collect(self) -> None:
+        for job_id, (executor, handle) in list(self._in_flight.items()):
+            outcome = executor.poll(handle)
+            if outcome is None:
+                continue
+            del self._in_flight[job_id]
+            self._finish(handle.job, outcome)
+
+    def _finish(self, job: ClaimedJob, outcome: JobOutcome) -> None:
+        if self.registry.finish_job(job.job_id, job.lease_token, outcome):
+            self.stats["finished"] += 1
+        else:
+            self.stats["stale"] += 1
+
+    def _enforce_timeouts(self) -> None:
+        now = time.monotonic()
+        for job_id, (executor, handle) in list(self._in_flight.items()):
+            timeout_s = handle.job.timeout_s
+            if timeout_s is None or now - handle.launched_at < timeout_s:
+                continue
+            del self._in_flight[job_id]
+            executor.cancel(handle)
+            self.stats["timed_out"] += 1
+            self._finish(
+                handle.job,
+                JobOutcome(
+                    succeeded=False,
+                    error_type="TimeoutError",
+                    error_message=f"validation ran longer than timeout_s={timeout_s:g}; "
+                    "its Ray task was cancelled",
+                    retryable=False,
+                    timed_out=True,
+                ),
+            )
+
+    def _heartbeat(self) -> None:
+        leases = [(job_id, h.job.lease_token) for job_id, (_, h) in self._in_flight.items()]
+        if not leases:
+            return
+        held = self.registry.heartbeat(self.owner, leases, lease_s=self.settings.lease_s)
+        for job_id in [j for j, _ in leases if j not in held]:
+            # Cancelled by a user, or taken over after our lease expired: stop the attempt.
+            executor, handle = self._in_flight.pop(job_id)
+            logger.info("job %s is no longer ours; cancelling its attempt", job_id)
+            executor.cancel(handle)
+
+    def _cancel_all(self) -> None:
+        for executor, handle in self._in_flight.values():
+            try:
+                executor.cancel(handle)
+            except Exception:  # noqa: BLE001 - best effort on shutdown
+                logger.exception("cancelling job %s on shutdown failed", handle.job.job_id)
+        self._in_flight.clear()

@@ -1,0 +1,176 @@
+"""The long-running service: a detached, named Ray actor that owns a Scheduler."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import ray
+
+from validation_service.config import Settings, ckval_env, get_settings
+
+logger = logging.getLogger(__name__)
+
+
+class _ServiceActor:
+    """Runs the scheduler loop in a thread; its methods answer while the loop works."""
+
+    def __init__(self, settings_json: str):
+        from validation_service.registry.registry import Registry
+        from validation_service.scheduler import Scheduler
+
+        logging.basicConfig(level=logging.INFO)
+        self.settings = Settings.model_validate_json(settings_json)
+        # Only an embedded SQLite is migrated here; a server database is migrated as a
+        # deploy step (`ckval db upgrade`), so a service never races a migration.
+        self.registry = Registry(settings=self.settings)
+        self.scheduler = Scheduler(self.registry, self.settings)
+        self.started_at = time.time()
+        self._thread = threading.Thread(
+            target=self.scheduler.run_forever, name="ckval-scheduler", daemon=True
+        )
+        self._thread.start()
+
+    def nudge(self) -> None:
+        self.scheduler.wake()
+
+    def ping(self) -> str:
+        return self.scheduler.owner
+
+    def settings_json(self) -> str:
+        return self.settings.model_dump_json()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "owner": self.scheduler.owner,
+            "database_url": _safe_url(self.registry),
+            "storage": self.settings.resolved_storage(),
+            "pools": self.settings.pools,
+            "default_pool_size": self.settings.default_pool_size,
+            "in_flight": self.scheduler.in_flight,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "alive": self._thread.is_alive(),
+            **self.scheduler.stats,
+        }
+
+    def shutdown(self) -> None:
+        self.scheduler.stop()
+        self._thread.join(timeout=30)
+
+
+def _safe_url(registry) -> str:
+    return registry.engine.url.render_as_string(hide_password=True)
+
+
+class ServiceHandle:
+    """A handle on the running service actor."""
+
+    def __init__(self, actor, settings: Settings):
+        self.actor = actor
+        self.settings = settings
+
+    def nudge(self) -> None:
+        self.actor.nudge.remote()
+
+    def status(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        return ray.get(self.actor.status.remote(), timeout=timeout_s)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stops the scheduler loop and removes the actor; queued jobs stay queued."""
+        try:
+            ray.get(self.actor.shutdown.remote(), timeout=timeout_s)
+        finally:
+            ray.kill(self.actor, no_restart=True)
+
+
+class ValidationService:
+    """Starts or finds the detached service actor of a Ray cluster."""
+
+    @staticmethod
+    def start(
+        database_url: str | None = None,
+        storage: str | None = None,
+        pools: dict[str, int] | None = None,
+        *,
+        settings: Settings | None = None,
+        **overrides: Any,
+    ) -> ServiceHandle:
+        """Starts the service on the connected Ray cluster (connecting first if needed).
+
+        Returns the running one when it already exists with the same database; raises
+        when one exists for another database, naming both.
+        """
+        settings = settings or get_settings()
+        update = {"database_url": database_url, "storage": storage, "pools": pools, **overrides}
+        settings = settings.model_copy(update={k: v for k, v in update.items() if v is not None})
+        ensure_ray(settings)
+        # Settle the embedded defaults here so the actor uses this process's CKVAL_HOME.
+        settings = settings.model_copy(
+            update={
+                "database_url": settings.resolved_database_url(),
+                "storage": settings.resolved_storage(),
+            }
+        )
+        actor_cls = ray.remote(_ServiceActor)
+        actor = actor_cls.options(
+            name=settings.service_name,
+            namespace=settings.ray_namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=-1,
+            max_task_retries=-1,
+            max_concurrency=16,
+            runtime_env={"env_vars": ckval_env()},
+        ).remote(settings.model_dump_json())
+        handle = ServiceHandle(actor, settings)
+        running = Settings.model_validate_json(ray.get(actor.settings_json.remote(), timeout=120))
+        if running.resolved_database_url() != settings.resolved_database_url():
+            raise RuntimeError(
+                f"A ckval service named {settings.service_name!r} already runs on this Ray "
+                f"cluster with database {running.resolved_database_url()!r}, not "
+                f"{settings.resolved_database_url()!r}. Stop it (`ckval stop`) or pick "
+                "another CKVAL_SERVICE_NAME."
+            )
+        handle.settings = running
+        return handle
+
+    @staticmethod
+    def get(settings: Settings | None = None) -> ServiceHandle | None:
+        """The running service, or None."""
+        settings = settings or get_settings()
+        ensure_ray(settings)
+        try:
+            actor = ray.get_actor(settings.service_name, namespace=settings.ray_namespace)
+        except ValueError:
+            return None
+        return ServiceHandle(actor, settings)
+
+
+_ray_lock = threading.Lock()
+
+
+def ensure_ray(settings: Settings) -> None:
+    """Connects to Ray: the configured cluster, else a new local one."""
+    with _ray_lock:
+        if ray.is_initialized():
+            return
+        ray.init(
+            address=settings.ray_address,
+            ignore_reinit_error=True,
+            log_to_driver=False,
+            runtime_env={"env_vars": ckval_env()},
+        )
+
+
+def wait_until_started(handle: ServiceHandle, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(handle.actor.ping.remote(), timeout=max(deadline - time.monotonic(), 1))
+            return
+        except ray.exceptions.GetTimeoutError:
+            if time.monotonic() > deadline:
+                raise
