@@ -87,6 +87,7 @@ def upgrade() -> None:
         sa.Column("status", sa.String(length=16), nullable=False),
         sa.Column("attempts", sa.Integer(), nullable=False),
         sa.Column("max_attempts", sa.Integer(), nullable=False),
+        sa.Column("attempts_before_retry", sa.Integer(), nullable=False),
         sa.Column("not_before", sa.DateTime(), nullable=False),
         sa.Column("lease_owner", sa.String(length=255), nullable=True),
         sa.Column("lease_token", sa.BigInteger(), nullable=False),

@@ -141,6 +141,8 @@ class ValidationJob(Base):
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer, default=3)
+    # Attempts made before the last `retry`: each retry grants max_attempts afresh.
+    attempts_before_retry: Mapped[int] = mapped_column(Integer, default=0)
     not_before: Mapped[dt.datetime] = mapped_column(default=utcnow)
     lease_owner: Mapped[str | None] = mapped_column(String(255), nullable=True)
     # Fencing token: bumped on every claim; only its holder may finish the job.

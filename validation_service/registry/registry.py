@@ -698,7 +698,7 @@ class Registry:
             return True
 
     def _failure_status(self, job: ValidationJob, outcome: JobOutcome) -> JobStatus:
-        if outcome.retryable and job.attempts < job.max_attempts:
+        if outcome.retryable and _attempts_left(job):
             return JobStatus.QUEUED
         return JobStatus.TIMED_OUT if outcome.timed_out else JobStatus.FAILED
 
@@ -762,9 +762,9 @@ class Registry:
                     )
                     .values(status=JobStatus.FAILED.value, finished_at=now, error_message=message)
                 )
-                if job.attempts < job.max_attempts:
+                if _attempts_left(job):
                     status = JobStatus.QUEUED
-                    job.not_before = now
+                    job.not_before = min(now, utcnow())  # due at once
                     requeued.append(job.id)
                 else:
                     status = JobStatus.FAILED
@@ -796,9 +796,24 @@ class Registry:
             if run is not None:
                 query = query.where(ValidationJob.run_id == self._require_run_id(session, run))
             cancelled = []
-            for job in session.scalars(query):
+            for job in session.scalars(query.order_by(ValidationJob.id)):
+                if job.status == JobStatus.RUNNING.value:
+                    session.execute(
+                        update(ValidationAttempt)
+                        .where(
+                            ValidationAttempt.job_id == job.id,
+                            ValidationAttempt.lease_token == job.lease_token,
+                        )
+                        .values(
+                            status=JobStatus.CANCELLED.value,
+                            finished_at=now,
+                            error_message=reason or "cancelled by the user",
+                        )
+                    )
                 job.status = JobStatus.CANCELLED.value
+                job.error_type = "Cancelled"
                 job.error_message = reason or "cancelled by the user"
+                job.error_traceback = None
                 job.lease_owner = None
                 job.lease_expires_at = None
                 job.finished_at = now
@@ -826,9 +841,10 @@ class Registry:
             if run is not None:
                 query = query.where(ValidationJob.run_id == self._require_run_id(session, run))
             requeued = []
-            for job in session.scalars(query):
+            for job in session.scalars(query.order_by(ValidationJob.id)):
                 job.status = JobStatus.QUEUED.value
-                job.max_attempts = job.attempts + max(job.max_attempts, 1)
+                job.attempts_before_retry = job.attempts
+                job.error_type = job.error_message = job.error_traceback = None
                 job.not_before = now
                 job.finished_at = None
                 job.updated_at = now
@@ -847,6 +863,10 @@ class Registry:
             if row is None:
                 raise JobNotFound(job_id)
             return row[0], row[1]
+
+
+def _attempts_left(job: ValidationJob) -> bool:
+    return job.attempts - job.attempts_before_retry < job.max_attempts
 
 
 def _idempotency_key(run_id: int, report_index: int) -> str:

@@ -1,0 +1,111 @@
+"""Shared fixtures: one Ray instance per session, real SQLite and PostgreSQL registries."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+# The session's CKVAL_HOME is set before anything reads settings or starts Ray, so Ray
+# workers and the service actor inherit it.
+_SESSION_HOME = Path(tempfile.mkdtemp(prefix="ckval-tests-"))
+os.environ["CKVAL_HOME"] = str(_SESSION_HOME)
+os.environ.pop("CKVAL_DATABASE_URL", None)
+os.environ.pop("CKVAL_STORAGE", None)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+POSTGRES_URL = os.environ.get(
+    "CKVAL_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+
+
+@pytest.fixture(scope="session")
+def session_home() -> Path:
+    return _SESSION_HOME
+
+
+@pytest.fixture(scope="session")
+def ray_session(session_home):
+    """One local Ray for the whole session, with more logical CPUs than cores."""
+    import ray
+
+    from validation_service.config import ckval_env
+
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": ckval_env()},
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def service(ray_session):
+    from validation_service.config import get_settings
+    from validation_service.service import ValidationService
+
+    handle = ValidationService.start(settings=get_settings())
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url():
+    """A fresh PostgreSQL database for this session, dropped at the end.
+
+    Skips only when no server answers, and never in CI (CI=true fails instead).
+    """
+    import sqlalchemy as sa
+
+    admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text("select 1"))
+    except sa.exc.OperationalError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL at {POSTGRES_URL} is required in CI: {exc}")
+        pytest.skip(f"no PostgreSQL server at {POSTGRES_URL}")
+    name = f"ckval_test_{uuid.uuid4().hex[:10]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = sa.engine.make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+    yield url
+    with admin.connect() as conn:
+        conn.execute(
+            sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"),
+            {"d": name},
+        )
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}"'))
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def registry(request, tmp_path):
+    """A migrated, empty registry on SQLite and on PostgreSQL."""
+    from validation_service.registry.registry import Registry
+
+    if request.param == "sqlite":
+        reg = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
+        yield reg
+        reg.close()
+        return
+    url = request.getfixturevalue("postgres_server_url")
+    reg = Registry(url, upgrade=True)
+    with reg.engine.begin() as conn:
+        # Each test starts from an empty queue (the database lives for the session).
+        conn.exec_driver_sql(
+            "TRUNCATE runs, checkpoints, metric_values, validation_jobs, validation_attempts "
+            "RESTART IDENTITY CASCADE"
+        )
+    yield reg
+    reg.close()
+
+
+@pytest.fixture
+def unique_run(request) -> str:
+    return f"{request.node.name[:40]}-{uuid.uuid4().hex[:6]}".replace("[", "-").replace("]", "")

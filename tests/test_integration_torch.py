@@ -1,0 +1,166 @@
+"""Real Ray: a 2-worker TorchTrainer reporting through trainer_integration.report()."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import cloudpickle
+import numpy as np
+import pytest
+import ray.cloudpickle
+import torch
+
+from trainer_integration import report, resolve_checkpoint
+from validation_service.demo import load_digits_split, make_model, validate_digits
+from validation_service.registry.registry import Registry
+
+pytestmark = pytest.mark.ray
+
+# Ray workers cannot import this test module: ship its functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def train_digits(config):
+    import ray.train
+    import ray.train.torch
+
+    torch.manual_seed(0)
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    x_train, _, y_train, _ = load_digits_split()
+    x = torch.from_numpy(x_train[rank::world])
+    y = torch.from_numpy(y_train[rank::world]).long()
+    model = ray.train.torch.prepare_model(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for epoch in range(config["epochs"]):
+        for start in range(0, len(x), 64):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(
+                model(x[start : start + 64]), y[start : start + 64]
+            )
+            loss.backward()
+            optimizer.step()
+        metrics = {"epoch": epoch, "train_loss": float(loss)}
+        with tempfile.TemporaryDirectory() as tmp:
+            if rank == 0:
+                torch.save(model.module.state_dict(), os.path.join(tmp, "model.pt"))
+                report(
+                    metrics,
+                    checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                    validate_fn=config["validate_fn"],
+                    validate_config={"epoch": epoch, "hold_s": config.get("hold_s", 0)},
+                    validation_resources={"num_cpus": 1},
+                    max_attempts=config.get("max_attempts", 3),
+                )
+            else:
+                report(metrics, None)
+
+
+def slow_validate(checkpoint, config):
+    # Holds each validation open long enough that overlap is observable on 2 cores.
+    metrics = validate_digits(checkpoint, {})
+    time.sleep(config["hold_s"])
+    return metrics
+
+
+def flaky_by_epoch(checkpoint, config):
+    if config["epoch"] == 1:
+        raise ValueError(f"bad batch in epoch {config['epoch']}")
+    if config["epoch"] == 2:
+        return [0.5]  # not a dict
+    return validate_digits(checkpoint, {})
+
+
+def independent_accuracy(checkpoint_dir: str) -> float:
+    """Accuracy computed without torchmetrics: argmax of logits against labels."""
+    _, x_val, _, y_val = load_digits_split()
+    model = make_model()
+    model.load_state_dict(torch.load(os.path.join(checkpoint_dir, "model.pt")))
+    with torch.no_grad():
+        predicted = model(torch.from_numpy(x_val)).argmax(dim=1).numpy()
+    return float(np.mean(predicted == y_val))
+
+
+def fit(run_name, session_home, **config):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(
+        train_digits,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name=run_name, storage_path=str(session_home / "ray_results")),
+    )
+    return trainer.fit()
+
+
+def test_every_checkpoint_is_validated_and_ranked(service, session_home, unique_run):
+    epochs = 5
+    result = fit(unique_run, session_home, epochs=epochs, validate_fn=slow_validate, hold_s=1.5)
+    assert result.error is None
+    registry = Registry()
+    registry.wait(unique_run, timeout_s=180)
+
+    records = registry.checkpoints(unique_run)
+    assert [r.report_index for r in records] == list(range(epochs))
+    assert all(r.validation_status == "VALIDATED" for r in records)
+    expected = {}
+    for record in records:
+        assert set(record.validated_metrics) == {"accuracy", "val_loss"}
+        assert record.metrics["train_loss"] == record.reported_metrics["train_loss"]
+        expected[record.report_index] = independent_accuracy(record.uri)
+        assert record.metrics["accuracy"] == pytest.approx(expected[record.report_index], abs=1e-6)
+    ranked = sorted(expected, key=lambda i: (-expected[i], i))[:3]
+    best = registry.best_checkpoints(unique_run, metric="accuracy", mode="max", k=3)
+    assert [m["epoch"] for _, m in best] == ranked
+    assert best[0][0].path == records[ranked[0]].uri
+
+    # Several validations ran at once: attempt windows recorded by the tasks overlap.
+    windows = sorted(
+        (a.started_at, a.finished_at)
+        for job in registry.validations(unique_run)
+        for a in job.attempt_history
+    )
+    overlaps = sum(
+        1 for (_, end), (start, _) in zip(windows, windows[1:], strict=False) if start < end
+    )
+    assert overlaps >= 1, windows
+    assert all(a.node_id for job in registry.validations(unique_run) for a in job.attempt_history)
+
+    # Ray's own Result lists every checkpoint; each resolves to the stored one.
+    assert len(result.best_checkpoints) == epochs
+    latest = resolve_checkpoint(result.checkpoint)
+    assert latest.path == records[-1].uri
+    assert registry.latest_checkpoint(unique_run).path == records[-1].uri
+
+
+def test_failing_and_non_dict_validate_fn_fail_while_training_completes(
+    service, session_home, unique_run
+):
+    result = fit(unique_run, session_home, epochs=4, validate_fn=flaky_by_epoch, max_attempts=2)
+    assert result.error is None
+    registry = Registry()
+    registry.wait(unique_run, timeout_s=180)
+    jobs = {job.report_index: job for job in registry.validations(unique_run)}
+    assert {i: j.status for i, j in jobs.items()} == {
+        0: "SUCCEEDED",
+        1: "FAILED",
+        2: "FAILED",
+        3: "SUCCEEDED",
+    }
+    raised = jobs[1]
+    assert (raised.error_type, raised.attempts) == ("ValueError", 2)
+    assert raised.error_message == "bad batch in epoch 1"
+    assert 'raise ValueError(f"bad batch in epoch' in raised.error_traceback
+    non_dict = jobs[2]
+    assert non_dict.attempts == 1  # returning a non-dict is not retried
+    assert "returned list" in non_dict.error_message and "must return a dict" in (
+        non_dict.error_message
+    )
+    statuses = [c.validation_status for c in registry.checkpoints(unique_run)]
+    assert statuses == ["VALIDATED", "FAILED", "FAILED", "VALIDATED"]
+    assert len(registry.best_checkpoints(unique_run, "accuracy", k=10)) == 2

@@ -1,0 +1,147 @@
+"""report() and Client: bad inputs refused up front, and reports outside Ray Train."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+import cloudpickle
+import pytest
+import torch
+from ray.train import Checkpoint
+
+import trainer_integration
+from trainer_integration import CheckpointUploadMode, Client
+from validation_service.errors import InvalidInput
+from validation_service.registry.registry import Registry
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def read_value(checkpoint, config):
+    with checkpoint.as_directory() as directory:
+        value = json.load(open(os.path.join(directory, "value.json")))["value"]
+    return {"score": value * config.get("scale", 1), "checked": torch.tensor(1.0)}
+
+
+def make_checkpoint(tmp_path, value, name=None) -> Checkpoint:
+    directory = tmp_path / (name or f"ckpt-{value}")
+    directory.mkdir()
+    (directory / "value.json").write_text(json.dumps({"value": value}))
+    return Checkpoint.from_directory(str(directory))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"validate_config": {"lock": threading.Lock()}}, "validate_config cannot be pickled"),
+        ({"validate_config": [1, 2]}, "validate_config must be a dict"),
+        ({"validate_fn": "no_such_module_xyz:fn"}, "module 'no_such_module_xyz' does not import"),
+        ({"validate_fn": "json:no_such_fn"}, "has no attribute 'no_such_fn'"),
+        ({"validate_fn": "just-a-name"}, "'package.module:function'"),
+        ({"validate_fn": 3}, "validate_fn must be a callable"),
+        ({"validation_resources": {"gpus": 1}}, "unknown keys \\['gpus'\\]"),
+        ({"validation_resources": {"num_gpus": -1}}, "must be a number >= 0"),
+        ({"timeout_s": -5}, "timeout_s must be a positive"),
+        ({"max_attempts": 0}, "max_attempts must be an int >= 1"),
+        ({"priority": "high"}, "priority must be an int"),
+        ({"checkpoint_upload_mode": "SYNC"}, "must be a CheckpointUploadMode"),
+    ],
+)
+def test_bad_report_arguments_are_refused_before_anything_is_stored(
+    tmp_path, unique_run, kwargs, message
+):
+    client = Client(unique_run)
+    arguments = {"validate_fn": read_value, **kwargs}
+    with pytest.raises(InvalidInput, match=message):
+        if "checkpoint_upload_mode" in kwargs:
+            trainer_integration.start_run(unique_run)
+            trainer_integration.report({"x": 1}, make_checkpoint(tmp_path, 1), **arguments)
+        else:
+            client.report({"x": 1}, make_checkpoint(tmp_path, 1), **arguments)
+    assert client.registry.checkpoints(unique_run) == []
+
+
+def test_bad_metrics_and_missing_pieces(tmp_path, unique_run):
+    client = Client(unique_run)
+    with pytest.raises(InvalidInput, match="metrics must be a dict"):
+        trainer_integration.report([1, 2])
+    with pytest.raises(InvalidInput, match="without a checkpoint"):
+        client.report({"x": 1}, None, validate_fn=read_value)
+    with pytest.raises(InvalidInput, match="at most 1000"):
+        client.report({f"m{i}": i for i in range(2000)}, make_checkpoint(tmp_path, 1))
+    assert client.registry.checkpoints(unique_run) == []
+
+
+def test_report_outside_ray_train_needs_a_run(monkeypatch):
+    monkeypatch.setattr(trainer_integration, "_current_run", None)
+    with pytest.raises(InvalidInput, match="start_run"):
+        trainer_integration.report({"loss": 1.0})
+
+
+@pytest.mark.ray
+def test_client_reports_are_validated_by_the_service(service, tmp_path, unique_run):
+    client = trainer_integration.start_run(unique_run)
+    for value in (3, 9, 5):
+        trainer_integration.report(
+            {"loss": 1.0 / value, "step": value * 10},
+            make_checkpoint(tmp_path, value),
+            validate_fn=read_value,
+            validate_config={"scale": 2},
+        )
+    client.wait(timeout_s=120)
+    registry = Registry()
+    [(best, metrics)] = registry.best_checkpoints(unique_run, "score", "max", k=1)
+    assert metrics == {"loss": 1 / 9, "step": 90, "score": 18, "checked": 1.0}
+    assert [c.step for c in registry.checkpoints(unique_run)] == [30, 90, 50]
+    with best.as_directory() as directory:
+        assert json.load(open(os.path.join(directory, "value.json"))) == {"value": 9}
+
+
+@pytest.mark.ray
+def test_validate_fn_by_import_reference(service, tmp_path, unique_run):
+    client = Client(unique_run)
+    # json:loads applied to (checkpoint, config) raises TypeError: a user error, stored.
+    client.report({"a": 1}, make_checkpoint(tmp_path, 1), validate_fn="json:loads", max_attempts=1)
+    client.wait(timeout_s=120)
+    [job] = client.registry.validations(unique_run)
+    assert job.status == "FAILED" and job.error_type == "TypeError"
+    assert job.validate_fn_name == "json:loads"
+
+
+@pytest.mark.ray
+def test_async_and_no_upload_modes(service, tmp_path, unique_run):
+    client = Client(unique_run)
+    index = client.report(
+        {"v": 4},
+        make_checkpoint(tmp_path, 4),
+        validate_fn=read_value,
+        checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+    )
+    storage = client._reporter.storage
+    in_storage = storage.checkpoint_path("default", unique_run, 100)
+    os.makedirs(in_storage)
+    with open(os.path.join(in_storage, "value.json"), "w") as f:
+        json.dump({"value": 7}, f)
+    client.report(
+        {"v": 7},
+        Checkpoint.from_directory(in_storage),
+        validate_fn=read_value,
+        checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+    )
+    client.wait(timeout_s=120)
+    records = {c.report_index: c for c in client.registry.checkpoints(unique_run)}
+    assert records[index].metrics["score"] == 4
+    assert records[index + 1].metrics["score"] == 7
+    assert records[index + 1].uri == in_storage
+    outside = make_checkpoint(tmp_path, 8)
+    with pytest.raises(InvalidInput, match="outside the storage root"):
+        client.report(
+            {"v": 8},
+            outside,
+            validate_fn=read_value,
+            checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+        )
+    assert len(client.registry.checkpoints(unique_run)) == 2
