@@ -1,0 +1,59 @@
+"""The demo, every example and the benchmark scripts, run as a user would run them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from validation_service.registry.registry import Registry
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.ray
+
+
+def run(args: list[str], home: Path, timeout: int = 420) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CKVAL_", "RAY_ADDRESS"))}
+    env.update(CKVAL_HOME=str(home), RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done.stdout
+
+
+def test_ckval_demo(tmp_path):
+    ckval = str(Path(sys.executable).with_name("ckval"))
+    out = run([ckval, "demo", "--epochs", "3", "--run", "demo-test"], tmp_path)
+    assert "top-3 checkpoints by validated accuracy" in out
+    registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
+    records = registry.checkpoints("demo-test")
+    assert [r.validation_status for r in records] == ["VALIDATED"] * 3
+    best = registry.best_checkpoint_records("demo-test", "accuracy", "max", k=3)
+    assert best[0].metrics["accuracy"] > 0.8  # a real model on real data learns digits
+    for record in best:
+        assert f"{record.metrics['accuracy']:.4f}" in out
+
+
+def test_example_ray_train_torch(tmp_path):
+    out = run(
+        [sys.executable, "examples/ray_train_torch.py", "--epochs", "2", "--run", "ex"], tmp_path
+    )
+    registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
+    best = registry.best_checkpoint_records("ex", "accuracy", "max", k=1)[0]
+    assert f"accuracy {best.metrics['accuracy']:.4f}" in out
+    assert len(registry.checkpoints("ex")) == 2
+
+
+def test_example_plain_script(tmp_path):
+    out = run([sys.executable, "examples/plain_script.py", "--run", "plain"], tmp_path)
+    registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
+    [best] = registry.best_checkpoint_records("plain", "error", "min", k=1)
+    assert best.report_index == 5 and f"error {best.metrics['error']:.5f}" in out
+
+
+def test_benchmark_core_smoke(tmp_path):
+    out = run([sys.executable, "benchmarks/bench_core.py", "--smoke"], tmp_path)
+    assert "dispatch latency, report() returned -> validate_fn started: median" in out
+    assert "validations/s" in out
