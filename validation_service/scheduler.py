@@ -85,6 +85,15 @@ class Scheduler:
         self._claim_and_launch()
 
     def _claim_and_launch(self) -> None:
+        # A read first: the write transaction of a claim only when a pool has due work
+        # and room, so nudges and polls do not contend with reporters for the write lock.
+        busy: dict[str, int] = {}
+        for _, handle in self._in_flight.values():
+            busy[handle.job.pool] = busy.get(handle.job.pool, 0) + 1
+        if not any(
+            busy.get(pool, 0) < self.settings.pool_size(pool) for pool in self.registry.due_pools()
+        ):
+            return
         claimed = self.registry.claim_due_jobs(
             self.owner,
             self.settings.pools,

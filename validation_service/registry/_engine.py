@@ -7,12 +7,14 @@ import fcntl
 import json
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
+WRITE_OPTION = "ckval_write"
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -94,9 +96,49 @@ def _configure_sqlite(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection):
-        # BEGIN IMMEDIATE takes the write lock up front: claim-then-update is atomic
-        # across processes, the SQLite stand-in for FOR UPDATE SKIP LOCKED.
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        if connection.get_execution_options().get(WRITE_OPTION):
+            # BEGIN IMMEDIATE takes the write lock up front: claim-then-update is atomic
+            # across processes, the SQLite stand-in for FOR UPDATE SKIP LOCKED.
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+        else:
+            # Reads never block writers (or wait for them) in WAL mode.
+            connection.exec_driver_sql("BEGIN")
+
+
+class SQLiteWriteLock:
+    """Queues this process's and other processes' writers to one SQLite file.
+
+    SQLite's own busy handler sleeps in steps of up to 100 ms while another writer
+    holds the lock; a file lock hands over the moment the holder is done.
+    """
+
+    def __init__(self, path: Path):
+        self._thread_lock = threading.Lock()
+        self._path = str(path) + ".write.lock"
+        self._fd: int | None = None
+
+    def __enter__(self):
+        self._thread_lock.acquire()
+        try:
+            if self._fd is None:
+                self._fd = os.open(self._path, os.O_CREAT | os.O_RDWR, 0o644)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._thread_lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc_info):
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
+
+
+def write_lock(url: str):
+    """The lock write transactions take first: a file lock for SQLite, none for servers."""
+    path = sqlite_path(url) if is_sqlite(url) else None
+    return SQLiteWriteLock(path) if path is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
 from migrations import MIGRATIONS_DIR
-from validation_service.registry._engine import schema_lock
+from validation_service.registry._engine import WRITE_OPTION, schema_lock
 
 
 def alembic_config(url: str) -> Config:
@@ -31,7 +31,7 @@ def current_revision(engine: Engine) -> str | None:
 def upgrade(engine: Engine, url: str, revision: str = "head") -> None:
     with schema_lock(url):
         config = alembic_config(url)
-        with engine.begin() as connection:
+        with engine.execution_options(**{WRITE_OPTION: True}).begin() as connection:
             config.attributes["connection"] = connection
             command.upgrade(config, revision)
 
@@ -39,6 +39,6 @@ def upgrade(engine: Engine, url: str, revision: str = "head") -> None:
 def downgrade(engine: Engine, url: str, revision: str) -> None:
     with schema_lock(url):
         config = alembic_config(url)
-        with engine.begin() as connection:
+        with engine.execution_options(**{WRITE_OPTION: True}).begin() as connection:
             config.attributes["connection"] = connection
             command.downgrade(config, revision)

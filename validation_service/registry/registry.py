@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
-from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy import and_, delete, func, insert, or_, select, update
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
@@ -30,7 +32,12 @@ from validation_service.jobs import (
 )
 from validation_service.metrics import normalize_metrics, rankable
 from validation_service.registry import _migrate
-from validation_service.registry._engine import create_registry_engine, is_sqlite
+from validation_service.registry._engine import (
+    WRITE_OPTION,
+    create_registry_engine,
+    is_sqlite,
+    write_lock,
+)
 from validation_service.registry.models import (
     Checkpoint,
     MetricValue,
@@ -77,7 +84,10 @@ class Registry:
         self.url = database_url or self.settings.resolved_database_url()
         self.namespace = namespace or self.settings.namespace
         self.engine = create_registry_engine(self.url)
+        self._write_engine = self.engine.execution_options(**{WRITE_OPTION: True})
+        self._write_lock = write_lock(self.url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._write_sessions = sessionmaker(self._write_engine, expire_on_commit=False)
         if upgrade is None:
             upgrade = is_sqlite(self.url)
         if check_schema:
@@ -115,7 +125,19 @@ class Registry:
         return f"Registry({url!r}, namespace={self.namespace!r})"
 
     def _session(self) -> Session:
+        """A session for reads."""
         return self._sessions()
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Session]:
+        """A session in one write transaction, committed on exit."""
+        with self._write_lock, self._write_sessions() as session, session.begin():
+            yield session
+
+    @contextlib.contextmanager
+    def _write_connection(self) -> Iterator[Connection]:
+        with self._write_lock, self._write_engine.begin() as connection:
+            yield connection
 
     # ------------------------------------------------------------------- runs
     def ensure_run(
@@ -128,12 +150,12 @@ class Registry:
         """Returns the id of the named run in this namespace, creating it if needed."""
         _check_run_name(name)
         for _ in range(3):
-            with self._session() as session, session.begin():
+            with self._session() as session:
                 run_id = session.scalar(self._run_id_query(name))
                 if run_id is not None:
                     return run_id
             try:
-                with self._session() as session, session.begin():
+                with self._write() as session:
                     run = Run(
                         name=name,
                         namespace=self.namespace,
@@ -164,7 +186,7 @@ class Registry:
             return _run_record(run)
 
     def set_run_status(self, name: str, status: RunStatus) -> None:
-        with self._session() as session, session.begin():
+        with self._write() as session:
             run_id = self._require_run_id(session, name)
             session.execute(update(Run).where(Run.id == run_id).values(status=status.value))
 
@@ -211,71 +233,115 @@ class Registry:
         metrics = normalize_metrics(reported_metrics, what="reported metrics")
         if job is not None and job.max_attempts < 1:
             raise InvalidInput(f"max_attempts must be at least 1, got {job.max_attempts}")
+        now = utcnow()
+        status = ValidationStatus.PENDING if job else ValidationStatus.NONE
         try:
-            with self._session() as session, session.begin():
-                existing = self._find_registration(session, run_id, report_index)
-                if existing is not None:
-                    return existing
-                now = utcnow()
-                checkpoint = Checkpoint(
-                    run_id=run_id,
-                    report_index=report_index,
-                    step=step,
-                    epoch=epoch,
-                    uri=uri,
-                    size_bytes=size_bytes,
-                    manifest_sha256=manifest_sha256,
-                    created_at=now,
-                    reported_metrics=metrics,
-                    metrics=dict(metrics),
-                    validation_status=(
-                        ValidationStatus.PENDING.value if job else ValidationStatus.NONE.value
-                    ),
-                )
-                session.add(checkpoint)
-                session.flush()
-                session.add_all(
-                    MetricValue(
-                        checkpoint_id=checkpoint.id,
+            # The common case is a new report: insert straight away (Core statements, one
+            # round trip each) and let the unique constraints catch a repeated one.
+            with self._write_connection() as conn:
+                checkpoint_id = conn.execute(
+                    insert(Checkpoint)
+                    .values(
                         run_id=run_id,
-                        name=name,
-                        source=MetricSource.REPORTED.value,
-                        value=value,
-                        effective=True,
+                        report_index=report_index,
+                        step=step,
+                        epoch=epoch,
+                        uri=uri,
+                        size_bytes=size_bytes,
+                        manifest_sha256=manifest_sha256,
+                        created_at=now,
+                        reported_metrics=metrics,
+                        metrics=metrics,
+                        validation_status=status.value,
                     )
-                    for name, value in rankable(metrics).items()
-                )
+                    .returning(Checkpoint.id)
+                ).scalar_one()
+                values = _metric_rows(checkpoint_id, run_id, metrics, MetricSource.REPORTED)
+                if values:
+                    conn.execute(insert(MetricValue), values)
                 job_id = None
                 if job is not None:
-                    job_row = ValidationJob(
-                        checkpoint_id=checkpoint.id,
-                        run_id=run_id,
-                        idempotency_key=_idempotency_key(run_id, report_index),
-                        validate_fn_ref=job.validate_fn_ref,
-                        validate_fn_pickle=job.validate_fn_pickle,
-                        validate_fn_name=job.validate_fn_name[:512],
-                        validate_config=job.validate_config,
-                        executor_kind=job.executor_kind,
-                        resources=job.resources,
-                        pool=job.pool,
-                        priority=job.priority,
-                        max_attempts=job.max_attempts,
-                        timeout_s=job.timeout_s,
-                        not_before=now,
-                        created_at=now,
-                        updated_at=now,
-                    )
-                    session.add(job_row)
-                    session.flush()
-                    job_id = job_row.id
-                return Registration(run_id, checkpoint.id, job_id, created=True)
+                    job_id = conn.execute(
+                        insert(ValidationJob)
+                        .values(
+                            checkpoint_id=checkpoint_id,
+                            run_id=run_id,
+                            idempotency_key=_idempotency_key(run_id, report_index),
+                            validate_fn_ref=job.validate_fn_ref,
+                            validate_fn_pickle=job.validate_fn_pickle,
+                            validate_fn_name=job.validate_fn_name[:512],
+                            validate_config=job.validate_config,
+                            executor_kind=job.executor_kind,
+                            resources=job.resources,
+                            pool=job.pool,
+                            priority=job.priority,
+                            status=JobStatus.QUEUED.value,
+                            attempts=0,
+                            max_attempts=job.max_attempts,
+                            attempts_before_retry=0,
+                            lease_token=0,
+                            timeout_s=job.timeout_s,
+                            not_before=now,
+                            created_at=now,
+                            updated_at=now,
+                        )
+                        .returning(ValidationJob.id)
+                    ).scalar_one()
+                return Registration(run_id, checkpoint_id, job_id, created=True)
         except IntegrityError:
-            # A concurrent registration of the same run + report index won the race.
+            # The same run + report index was registered before (or concurrently).
             with self._session() as session:
                 existing = self._find_registration(session, run_id, report_index)
             if existing is None:
                 raise
             return existing
+
+    def import_checkpoints(self, run_id: int, checkpoints: Sequence[dict[str, Any]]) -> int:
+        """Registers many already-stored checkpoints at once, without validation jobs.
+
+        Each item has ``report_index``, ``uri`` and ``metrics``, and optionally
+        ``size_bytes``, ``manifest_sha256``, ``step`` and ``epoch``. For bringing existing
+        checkpoints into the registry; returns how many were added.
+        """
+        now = utcnow()
+        rows = []
+        for item in checkpoints:
+            metrics = normalize_metrics(item.get("metrics", {}), what="imported metrics")
+            rows.append(
+                {
+                    "run_id": run_id,
+                    "report_index": item["report_index"],
+                    "step": item.get("step"),
+                    "epoch": item.get("epoch"),
+                    "uri": item["uri"],
+                    "size_bytes": item.get("size_bytes", 0),
+                    "manifest_sha256": item.get("manifest_sha256"),
+                    "created_at": now,
+                    "reported_metrics": metrics,
+                    "metrics": metrics,
+                    "validation_status": ValidationStatus.NONE.value,
+                }
+            )
+        if not rows:
+            return 0
+        with self._write_connection() as conn:
+            ids = (
+                conn.execute(
+                    insert(Checkpoint).returning(Checkpoint.id, sort_by_parameter_order=True), rows
+                )
+                .scalars()
+                .all()
+            )
+            values = [
+                value
+                for checkpoint_id, row in zip(ids, rows, strict=True)
+                for value in _metric_rows(
+                    checkpoint_id, run_id, row["metrics"], MetricSource.REPORTED
+                )
+            ]
+            if values:
+                conn.execute(insert(MetricValue), values)
+        return len(rows)
 
     def _find_registration(
         self, session: Session, run_id: int, report_index: int
@@ -342,37 +408,30 @@ class Registry:
             raise InvalidInput(f"mode must be 'max' or 'min', got {mode!r}")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise InvalidInput(f"k must be a positive int, got {k!r}")
+        order = MetricValue.value.desc() if mode == "max" else MetricValue.value.asc()
+        conditions = [
+            MetricValue.name == metric,
+            MetricValue.effective.is_(True),
+            Run.namespace == self.namespace,
+        ]
+        if run is not None:
+            conditions.append(Run.name == run)
+        # One statement: the metric index gives the order, the joins add the rows.
+        query = (
+            select(Checkpoint, Run.name)
+            .join(MetricValue, MetricValue.checkpoint_id == Checkpoint.id)
+            .join(Run, Run.id == MetricValue.run_id)
+            .where(*conditions)
+            .order_by(order, MetricValue.checkpoint_id.asc())
+            .limit(k)
+        )
         with self._session() as session:
-            conditions = [MetricValue.name == metric, MetricValue.effective.is_(True)]
-            run_id = None
-            if run is not None:
-                run_id = self._require_run_id(session, run)
-                conditions.insert(0, MetricValue.run_id == run_id)
-            else:
-                conditions.append(
-                    MetricValue.run_id.in_(select(Run.id).where(Run.namespace == self.namespace))
-                )
-            order = MetricValue.value.desc() if mode == "max" else MetricValue.value.asc()
-            ranked = (
-                session.execute(
-                    select(MetricValue.checkpoint_id)
-                    .where(*conditions)
-                    .order_by(order, MetricValue.checkpoint_id.asc())
-                    .limit(k)
-                )
-                .scalars()
-                .all()
-            )
-            if not ranked:
-                self._raise_if_unknown_metric(session, run, run_id, metric)
-                return []
-            rows = session.scalars(
-                select(Checkpoint)
-                .options(selectinload(Checkpoint.run))
-                .where(Checkpoint.id.in_(ranked))
-            ).all()
-            by_id = {row.id: row for row in rows}
-            return [_checkpoint_record(by_id[i], by_id[i].run.name) for i in ranked]
+            rows = session.execute(query).all()
+            if rows:
+                return [_checkpoint_record(checkpoint, name) for checkpoint, name in rows]
+            run_id = self._require_run_id(session, run) if run is not None else None
+            self._raise_if_unknown_metric(session, run, run_id, metric)
+            return []
 
     def _raise_if_unknown_metric(
         self, session: Session, run: str | None, run_id: int | None, metric: str
@@ -400,7 +459,7 @@ class Registry:
 
     def delete_checkpoint(self, checkpoint_id: int) -> None:
         """Marks a checkpoint deleted: it keeps its rows but is never ranked again."""
-        with self._session() as session, session.begin():
+        with self._write() as session:
             session.execute(
                 update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(deleted_at=utcnow())
             )
@@ -506,7 +565,7 @@ class Registry:
         now = utcnow()
         expires = now + dt.timedelta(seconds=lease_s)
         claimed: list[ClaimedJob] = []
-        with self._session() as session, session.begin():
+        with self._write() as session:
             running = dict(
                 session.execute(
                     select(ValidationJob.pool, func.count(ValidationJob.id))
@@ -596,7 +655,7 @@ class Registry:
                 )
             ),
         )
-        with self._session() as session, session.begin():
+        with self._write() as session:
             session.execute(update(ValidationJob).where(held).values(lease_expires_at=expires))
             return set(session.scalars(select(ValidationJob.id).where(held)))
 
@@ -609,7 +668,7 @@ class Registry:
         worker_pid: int | None,
         started_at: dt.datetime,
     ) -> None:
-        with self._session() as session, session.begin():
+        with self._write() as session:
             session.execute(
                 update(ValidationAttempt)
                 .where(
@@ -643,7 +702,7 @@ class Registry:
                     finished_at=outcome.finished_at,
                 )
         now = utcnow()
-        with self._session() as session, session.begin():
+        with self._write() as session:
             job = session.scalar(
                 select(ValidationJob)
                 .options(selectinload(ValidationJob.checkpoint))
@@ -740,7 +799,7 @@ class Registry:
         """RUNNING jobs whose lease ran out go back to QUEUED (or FAILED when out of attempts)."""
         now = now or utcnow()
         requeued: list[int] = []
-        with self._session() as session, session.begin():
+        with self._write() as session:
             jobs = session.scalars(
                 select(ValidationJob)
                 .options(selectinload(ValidationJob.checkpoint))
@@ -785,7 +844,7 @@ class Registry:
         if job_ids is None and run is None:
             raise InvalidInput("cancel needs job ids or a run name")
         now = utcnow()
-        with self._session() as session, session.begin():
+        with self._write() as session:
             query = (
                 select(ValidationJob)
                 .options(selectinload(ValidationJob.checkpoint))
@@ -830,7 +889,7 @@ class Registry:
             raise InvalidInput("retry needs job ids or a run name")
         now = utcnow()
         retryable = [JobStatus.FAILED.value, JobStatus.TIMED_OUT.value, JobStatus.CANCELLED.value]
-        with self._session() as session, session.begin():
+        with self._write() as session:
             query = (
                 select(ValidationJob)
                 .options(selectinload(ValidationJob.checkpoint))
@@ -863,6 +922,22 @@ class Registry:
             if row is None:
                 raise JobNotFound(job_id)
             return row[0], row[1]
+
+
+def _metric_rows(
+    checkpoint_id: int, run_id: int, metrics: dict[str, Any], source: MetricSource
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "checkpoint_id": checkpoint_id,
+            "run_id": run_id,
+            "name": name,
+            "source": source.value,
+            "value": value,
+            "effective": True,
+        }
+        for name, value in rankable(metrics).items()
+    ]
 
 
 def _attempts_left(job: ValidationJob) -> bool:
