@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 import cloudpickle
 import pytest
@@ -145,3 +146,46 @@ def test_async_and_no_upload_modes(service, tmp_path, unique_run):
             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
         )
     assert len(client.registry.checkpoints(unique_run)) == 2
+
+
+def test_report_survives_an_unreachable_registry_and_raises_when_it_stays_down(
+    tmp_path, unique_run, postgres_server_url
+):
+    """PostgreSQL becomes unreachable (its connections cut, new ones refused) after the
+    run started: reports are kept and delivered when it comes back, or raised at the
+    next report() when it does not come back in time."""
+    import sqlalchemy as sa
+
+    from tests.tcp_proxy import TcpProxy
+    from trainer_integration import ReportNotDelivered
+    from validation_service.config import get_settings
+
+    Registry(postgres_server_url, upgrade=True).close()
+    url = sa.engine.make_url(postgres_server_url)
+    proxy = TcpProxy(url.host, url.port or 5432)
+    proxy.start()
+    through_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
+    settings = get_settings(database_url=through_proxy, delivery_timeout_s=4.0)
+    client = Client(unique_run, settings)
+    client._reporter._start_service = False  # no service: this is about the registry
+    try:
+        proxy.stop()
+        started = time.perf_counter()
+        index = client.report({"v": 1}, make_checkpoint(tmp_path, 1))
+        blocked = time.perf_counter() - started
+        proxy.start()  # back within delivery_timeout_s
+        client.flush(timeout_s=30)
+        [record] = Registry(postgres_server_url).checkpoints(unique_run)
+        assert record.report_index == index and record.reported_metrics == {"v": 1}
+
+        proxy.stop()  # now it stays down past delivery_timeout_s
+        lost = client.report({"v": 2}, make_checkpoint(tmp_path, 2))
+        deadline = time.monotonic() + 60
+        while not all(f.done() for _, f in client._reporter._pending):
+            assert time.monotonic() < deadline, "background delivery never gave up"
+            time.sleep(0.1)
+        with pytest.raises(ReportNotDelivered, match=rf"(?s)indices \[{lost}\].*in storage"):
+            client.report({"v": 3}, make_checkpoint(tmp_path, 3))
+    finally:
+        proxy.stop()
+    assert blocked < settings.delivery_timeout_s

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from trainer_integration._reporter import (
     POINTER_FILE,
     CheckpointUploadMode,
+    ReportNotDelivered,
     RunReporter,
     build_job_spec,
     plain_metrics,
@@ -21,6 +22,7 @@ from validation_service.errors import InvalidInput
 __all__ = [
     "CheckpointUploadMode",
     "Client",
+    "ReportNotDelivered",
     "report",
     "resolve_checkpoint",
     "start_run",

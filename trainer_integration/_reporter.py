@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import enum
 import json
 import logging
@@ -10,14 +11,16 @@ import pickle
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import cloudpickle
+from sqlalchemy.exc import DBAPIError
 
 from validation_service.config import Settings, get_settings
-from validation_service.errors import InvalidInput
+from validation_service.errors import CkvalError, InvalidInput
 from validation_service.executors._run import import_validate_fn
 from validation_service.jobs import ExecutorKind
 from validation_service.metrics import normalize_metrics, to_plain
@@ -28,6 +31,21 @@ logger = logging.getLogger(__name__)
 
 POINTER_FILE = "ckval_checkpoint.json"
 _RESOURCE_KEYS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type"}
+
+
+class ReportNotDelivered(CkvalError):
+    """Reports whose checkpoint was stored but that the registry never accepted."""
+
+    def __init__(self, run: str, failures: list[tuple[int, BaseException]]):
+        self.run = run
+        self.report_indices = [index for index, _ in failures]
+        last = failures[-1][1]
+        super().__init__(
+            f"{len(failures)} report(s) of run {run!r} (report indices "
+            f"{self.report_indices}) could not be registered: {type(last).__name__}: {last}. "
+            "Their checkpoints are in storage; check the database (CKVAL_DATABASE_URL) "
+            "and report them again."
+        )
 
 
 class CheckpointUploadMode(enum.Enum):
@@ -137,8 +155,8 @@ class RunReporter:
         self._next_index = self.registry.next_report_index(self.run_id)
         self._start_service = start_service
         self._service = None
-        self._uploads: ThreadPoolExecutor | None = None
-        self._pending: list[Future] = []
+        self._background: ThreadPoolExecutor | None = None
+        self._pending: list[tuple[int, Future]] = []
 
     def reserve_index(self) -> int:
         with self._lock:
@@ -185,40 +203,85 @@ class RunReporter:
         job: JobSpec | None,
         mode: CheckpointUploadMode,
     ) -> int:
-        """Persists and registers one checkpoint; returns its report index."""
+        """Persists and registers one checkpoint; returns its report index.
+
+        Raises ReportNotDelivered first if an earlier report could not be delivered.
+        """
+        self.raise_undelivered()
         index = self.reserve_index()
         if mode is CheckpointUploadMode.ASYNC:
-            if self._uploads is None:
-                self._uploads = ThreadPoolExecutor(2, thread_name_prefix="ckval-upload")
             # Copy now so training may delete or overwrite its folder at once.
-            staged = tempfile.mkdtemp(prefix="ckval-async-")
-            local = checkpoint.to_directory(staged)
-            future = self._uploads.submit(self._upload_then_register, local, index, metrics, job)
-            self._pending.append(future)
-            self.raise_failed_uploads()
+            local = checkpoint.to_directory(tempfile.mkdtemp(prefix="ckval-async-"))
+            self._in_background(index, self._upload_then_register, local, index, metrics, job)
             return index
         persisted = self.persist(checkpoint, mode, index)
-        self.register(index, persisted, metrics, job)
+        try:
+            self.register(index, persisted, metrics, job)
+        except DBAPIError as exc:
+            # The checkpoint is stored; the registry is unreachable for the moment.
+            logger.warning(
+                "registry unreachable (%s); report %d of run %r is delivered in the background",
+                type(exc.orig).__name__,
+                index,
+                self.run,
+            )
+            self._in_background(index, self._deliver, index, persisted, metrics, job)
         return index
+
+    def _in_background(self, index: int, fn, *args) -> None:
+        if self._background is None:
+            self._background = ThreadPoolExecutor(2, thread_name_prefix="ckval-report")
+            atexit.register(self._flush_at_exit)
+        self._pending.append((index, self._background.submit(fn, *args)))
 
     def _upload_then_register(self, local: str, index: int, metrics, job) -> None:
         try:
             persisted = self.storage.upload(local, self.settings.namespace, self.run, index)
-            self.register(index, persisted, metrics, job)
         finally:
             shutil.rmtree(local, ignore_errors=True)
+        self._deliver(index, persisted, metrics, job)
 
-    def raise_failed_uploads(self) -> None:
-        done = [f for f in self._pending if f.done()]
-        self._pending = [f for f in self._pending if not f.done()]
-        for future in done:
-            future.result()  # raises the upload's error at the next report()
+    def _deliver(self, index: int, persisted: PersistedCheckpoint, metrics, job) -> None:
+        """Registers with backoff until delivery_timeout_s; the registration is idempotent."""
+        deadline = time.monotonic() + self.settings.delivery_timeout_s
+        delay = 0.5
+        while True:
+            try:
+                self.register(index, persisted, metrics, job)
+                return
+            except DBAPIError:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 15.0)
+
+    def raise_undelivered(self) -> None:
+        """Raises ReportNotDelivered for background reports that failed for good."""
+        failed = []
+        still_pending = []
+        for index, future in self._pending:
+            if not future.done():
+                still_pending.append((index, future))
+            elif future.exception() is not None:
+                failed.append((index, future.exception()))
+        self._pending = still_pending
+        if failed:
+            raise ReportNotDelivered(self.run, failed)
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Waits for background uploads; raises the first one that failed."""
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.result(timeout=timeout_s)
+        """Waits for background uploads and deliveries; raises if one failed."""
+        for _, future in list(self._pending):
+            try:
+                future.result(timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - collected and raised below
+                pass
+        self.raise_undelivered()
+
+    def _flush_at_exit(self) -> None:
+        try:
+            self.flush(self.settings.delivery_timeout_s)
+        except ReportNotDelivered as exc:
+            logger.error("%s", exc)
 
     def nudge(self) -> None:
         """Tells the service there is new work (best effort: it also polls)."""

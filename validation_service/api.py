@@ -144,11 +144,15 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     def cancel_job(job_id: int) -> JSONResponse:
         registry.get_job(job_id)  # 404 for an unknown id rather than an empty answer
         cancelled = registry.cancel_jobs([job_id], reason="cancelled through the HTTP API")
+        if cancelled:
+            _tell_service(settings, "check_leases")
         return _json({"jobs": cancelled})
 
     @app.post("/runs/{run}/cancel")
     def cancel_run(run: str) -> JSONResponse:
         cancelled = registry.cancel_jobs(run=run, reason="cancelled through the HTTP API")
+        if cancelled:
+            _tell_service(settings, "check_leases")
         return _json({"jobs": cancelled})
 
     @app.post("/jobs/{job_id}/retry")
@@ -156,14 +160,14 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         registry.get_job(job_id)
         requeued = registry.retry_jobs([job_id])
         if requeued:
-            _nudge_service(settings)
+            _tell_service(settings, "nudge")
         return _json({"jobs": requeued})
 
     @app.post("/runs/{run}/retry")
     def retry_run(run: str) -> JSONResponse:
         requeued = registry.retry_jobs(run=run)
         if requeued:
-            _nudge_service(settings)
+            _tell_service(settings, "nudge")
         return _json({"jobs": requeued})
 
     @app.get("/service")
@@ -246,16 +250,19 @@ def _error(
     )
 
 
-def _nudge_service(settings: Settings) -> None:
-    """Wakes the running scheduler so a requeued job starts now, not at its next poll."""
+def _tell_service(settings: Settings, what: str) -> None:
+    """Wakes the running scheduler: a requeued job starts now, a cancelled one stops now.
+
+    Best effort: the scheduler also polls the queue and heartbeats its leases.
+    """
     if not ray.is_initialized():
         return
     try:
         handle = ValidationService.get(settings)
         if handle is not None:
-            handle.nudge()
-    except Exception:  # best effort: the scheduler polls anyway
-        logger.warning("could not nudge the ckval service after a retry", exc_info=True)
+            getattr(handle, what)()
+    except Exception:
+        logger.warning("could not reach the ckval service (%s)", what, exc_info=True)
 
 
 def _iso(value: dt.datetime | None) -> str | None:

@@ -216,6 +216,7 @@ def cancel(ctx: click.Context, job_ids: tuple[int, ...], run: str | None) -> Non
     if not job_ids and not run:
         raise click.UsageError("give JOB ids or --run RUN")
     done = _registry(ctx).cancel_jobs(list(job_ids) or None, run=run)
+    _tell_service(ctx, "check_leases")
     click.echo(f"cancelled {len(done)} job(s): {done}")
 
 
@@ -229,20 +230,26 @@ def retry(ctx: click.Context, job_ids: tuple[int, ...], run: str | None, failed:
     if not job_ids and not run:
         raise click.UsageError("give JOB ids or --run RUN")
     done = _registry(ctx).retry_jobs(list(job_ids) or None, run=run)
-    _nudge(ctx)
+    _tell_service(ctx, "nudge")
     click.echo(f"requeued {len(done)} job(s): {done}")
 
 
-def _nudge(ctx: click.Context) -> None:
+def _tell_service(ctx: click.Context, what: str) -> None:
+    """Best effort: the service also notices on its own (poll and heartbeat)."""
+    import os
+
     import ray
 
-    if not ray.is_initialized():
+    if not ray.is_initialized() and not os.environ.get("CKVAL_RAY_ADDRESS"):
         return
     from validation_service.service import ValidationService
 
-    handle = ValidationService.get()
-    if handle:
-        handle.nudge()
+    try:
+        handle = ValidationService.get()
+        if handle:
+            getattr(handle, what)()
+    except Exception:  # noqa: BLE001 - the registry change is what counts
+        pass
 
 
 @main.group()

@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     poll_interval_s: float = 1.0
     retry_backoff_s: float = 1.0
     retry_backoff_max_s: float = 300.0
+    # How long report() keeps delivering a report in the background while the registry
+    # is unreachable, before the next report() raises ReportNotDelivered.
+    delivery_timeout_s: float = 600.0
 
     http_host: str = "127.0.0.1"
     http_port: int = 8780

@@ -33,18 +33,32 @@ class Scheduler:
     ):
         self.registry = registry
         self.settings = settings
-        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.owner_prefix = f"{settings.service_name}/"
+        incarnation = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.owner = owner or self.owner_prefix + incarnation
         self.executors = executors or default_executors(settings)
         self._in_flight: dict[int, tuple[Executor, Any]] = {}  # job id -> (executor, handle)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last_heartbeat = 0.0
         self._last_expiry_scan = 0.0
-        self.stats = {"claimed": 0, "finished": 0, "stale": 0, "timed_out": 0, "ticks": 0}
+        self.stats = {
+            "claimed": 0,
+            "finished": 0,
+            "stale": 0,
+            "timed_out": 0,
+            "recovered": 0,
+            "ticks": 0,
+        }
 
     # ------------------------------------------------------------- controls
     def wake(self) -> None:
         """Nudge: new work was enqueued; claim at once instead of at the next poll."""
+        self._wake.set()
+
+    def check_leases(self) -> None:
+        """Jobs were cancelled: look at the leases at once and stop their attempts."""
+        self._last_heartbeat = 0.0
         self._wake.set()
 
     def stop(self) -> None:
@@ -55,8 +69,27 @@ class Scheduler:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def recover(self) -> list[int]:
+        """On start: requeue what an earlier incarnation of this service left RUNNING.
+
+        One service (name) per database: its predecessor is known to be dead.
+        """
+        requeued = self.registry.release_leases(self.owner_prefix, keep_owner=self.owner)
+        if requeued:
+            logger.warning(
+                "requeued %d job(s) left running by a previous incarnation: %s",
+                len(requeued),
+                requeued,
+            )
+        self.stats["recovered"] = len(requeued)
+        return requeued
+
     def run_forever(self) -> None:
         logger.info("scheduler %s started", self.owner)
+        try:
+            self.recover()
+        except Exception:  # noqa: BLE001 - leases also expire on their own
+            logger.exception("recovering earlier leases failed")
         while not self._stop.is_set():
             try:
                 self.tick()

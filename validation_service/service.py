@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -36,6 +37,9 @@ class _ServiceActor:
     def nudge(self) -> None:
         self.scheduler.wake()
 
+    def check_leases(self) -> None:
+        self.scheduler.check_leases()
+
     def ping(self) -> str:
         return self.scheduler.owner
 
@@ -51,6 +55,7 @@ class _ServiceActor:
             "default_pool_size": self.settings.default_pool_size,
             "in_flight": self.scheduler.in_flight,
             "uptime_s": round(time.time() - self.started_at, 1),
+            "pid": os.getpid(),
             "alive": self._thread.is_alive(),
             **self.scheduler.stats,
         }
@@ -73,6 +78,10 @@ class ServiceHandle:
 
     def nudge(self) -> None:
         self.actor.nudge.remote()
+
+    def check_leases(self) -> None:
+        """After a cancellation: the service stops the cancelled attempts at once."""
+        self.actor.check_leases.remote()
 
     def status(self, timeout_s: float = 30.0) -> dict[str, Any]:
         return ray.get(self.actor.status.remote(), timeout=timeout_s)
@@ -163,14 +172,3 @@ def ensure_ray(settings: Settings) -> None:
             log_to_driver=False,
             runtime_env={"env_vars": ckval_env()},
         )
-
-
-def wait_until_started(handle: ServiceHandle, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            ray.get(handle.actor.ping.remote(), timeout=max(deadline - time.monotonic(), 1))
-            return
-        except ray.exceptions.GetTimeoutError:
-            if time.monotonic() > deadline:
-                raise

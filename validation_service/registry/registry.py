@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import logging
 import random
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import and_, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from validation_service.config import Settings, get_settings
@@ -60,6 +61,55 @@ from validation_service.registry.records import (
 logger = logging.getLogger(__name__)
 
 Mode = Literal["max", "min"]
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def retry_on_disconnect(method: _F) -> _F:
+    """Retries an idempotent Registry operation when the database connection drops.
+
+    A restarted or failed-over server, or a terminated backend, ends the connection
+    mid-transaction; the pool reconnects (pre-ping) and the operation runs again.
+    Only for operations that are safe to repeat: reads, and writes guarded by a
+    unique key or a fencing token.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        delay = 0.02
+        for attempt in range(1, _DISCONNECT_RETRIES + 1):
+            try:
+                return method(self, *args, **kwargs)
+            except DBAPIError as exc:
+                if not _is_disconnect(exc) or attempt == _DISCONNECT_RETRIES:
+                    raise
+                logger.warning(
+                    "database connection lost in %s (%s); retrying",
+                    method.__name__,
+                    type(exc.orig).__name__,
+                )
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    return wrapper  # type: ignore[return-value]
+
+
+# About 0.3 s of retries: enough for a reconnect; longer outages are the caller's to
+# handle (report() delivers in the background, the scheduler retries its next tick).
+_DISCONNECT_RETRIES = 5
+
+
+def _is_disconnect(exc: DBAPIError) -> bool:
+    if exc.connection_invalidated:
+        return True
+    # A backend terminated by the server, or a server restarting, is a disconnect too.
+    return isinstance(exc, OperationalError) and not is_locked_error(exc)
+
+
+def is_locked_error(exc: Exception) -> bool:
+    return "database is locked" in str(exc)
+
+
 _ACTIVE = [s.value for s in ACTIVE_JOB_STATUSES]
 
 
@@ -140,6 +190,7 @@ class Registry:
             yield connection
 
     # ------------------------------------------------------------------- runs
+    @retry_on_disconnect
     def ensure_run(
         self,
         name: str,
@@ -169,6 +220,7 @@ class Registry:
                 continue  # another reporter created it first
         raise RuntimeError(f"could not create or find run {name!r}")
 
+    @retry_on_disconnect
     def runs(self) -> list[RunRecord]:
         with self._session() as session:
             rows = session.scalars(
@@ -176,6 +228,7 @@ class Registry:
             ).all()
             return [_run_record(r) for r in rows]
 
+    @retry_on_disconnect
     def get_run(self, name: str) -> RunRecord:
         with self._session() as session:
             run = session.scalar(
@@ -206,6 +259,7 @@ class Registry:
         return RunNotFound(name, self.namespace, list(known))
 
     # ------------------------------------------------------------ checkpoints
+    @retry_on_disconnect
     def next_report_index(self, run_id: int) -> int:
         with self._session() as session:
             current = session.scalar(
@@ -213,6 +267,7 @@ class Registry:
             )
             return 0 if current is None else current + 1
 
+    @retry_on_disconnect
     def register_checkpoint(
         self,
         run_id: int,
@@ -360,6 +415,7 @@ class Registry:
         )
         return Registration(run_id, checkpoint_id, job_id, created=False)
 
+    @retry_on_disconnect
     def checkpoints(self, run: str, *, include_deleted: bool = False) -> list[CheckpointRecord]:
         with self._session() as session:
             run_id = self._require_run_id(session, run)
@@ -376,6 +432,7 @@ class Registry:
                 raise LookupError(f"No checkpoint with id {checkpoint_id}.")
             return _checkpoint_record(row, row.run.name)
 
+    @retry_on_disconnect
     def latest_checkpoint(self, run: str):
         """The newest checkpoint of the run as a ray.train.Checkpoint (resume after a crash)."""
         with self._session() as session:
@@ -401,6 +458,7 @@ class Registry:
             for record in self.best_checkpoint_records(run, metric, mode, k)
         ]
 
+    @retry_on_disconnect
     def best_checkpoint_records(
         self, run: str | None, metric: str, mode: Mode = "max", k: int = 1
     ) -> list[CheckpointRecord]:
@@ -470,6 +528,7 @@ class Registry:
             )
 
     # ------------------------------------------------------------------- jobs
+    @retry_on_disconnect
     def validations(self, run: str) -> list[JobRecord]:
         with self._session() as session:
             run_id = self._require_run_id(session, run)
@@ -482,6 +541,7 @@ class Registry:
             ).all()
             return [_job_record(job, run, index) for job, index in rows]
 
+    @retry_on_disconnect
     def get_job(self, job_id: int) -> JobRecord:
         with self._session() as session:
             row = session.execute(
@@ -496,6 +556,7 @@ class Registry:
             job, index, run = row
             return _job_record(job, run, index)
 
+    @retry_on_disconnect
     def job_counts(self, run: str | None = None) -> dict[str, int]:
         with self._session() as session:
             query = select(ValidationJob.status, func.count(ValidationJob.id)).group_by(
@@ -525,6 +586,7 @@ class Registry:
                 )
             time.sleep(poll_s)
 
+    @retry_on_disconnect
     def due_pools(self, now: dt.datetime | None = None) -> list[str]:
         """Pools that have at least one QUEUED job whose not_before has passed."""
         now = now or utcnow()
@@ -548,6 +610,7 @@ class Registry:
                 )
             )
 
+    @retry_on_disconnect
     def claim_due_jobs(
         self,
         owner: str,
@@ -634,6 +697,7 @@ class Registry:
             query = query.with_for_update(skip_locked=True)
         return list(session.scalars(query))
 
+    @retry_on_disconnect
     def heartbeat(
         self, owner: str, leases: Iterable[tuple[int, int]], *, lease_s: float
     ) -> set[int]:
@@ -678,6 +742,7 @@ class Registry:
                 .values(node_id=node_id, worker_pid=worker_pid, started_at=started_at)
             )
 
+    @retry_on_disconnect
     def finish_job(self, job_id: int, lease_token: int, outcome: JobOutcome) -> bool:
         """Records one attempt's outcome; only the current lease token may do so.
 
@@ -795,6 +860,7 @@ class Registry:
             for name, value in rankable(validated).items()
         )
 
+    @retry_on_disconnect
     def requeue_expired(self, now: dt.datetime | None = None) -> list[int]:
         """RUNNING jobs whose lease ran out go back to QUEUED (or FAILED when out of attempts)."""
         now = now or utcnow()
@@ -836,6 +902,31 @@ class Registry:
                 job.updated_at = now
                 job.checkpoint.validation_status = JOB_TO_VALIDATION_STATUS[status].value
         return requeued
+
+    @retry_on_disconnect
+    def release_leases(self, owner_prefix: str, *, keep_owner: str) -> list[int]:
+        """Requeues RUNNING jobs leased by earlier incarnations of a restarted service.
+
+        Owners are named ``<service name>/<incarnation>``: a restarted service knows
+        its predecessor is dead, so its jobs need not wait for their leases to run out.
+        """
+        with self._session() as session:
+            stale = session.scalars(
+                select(ValidationJob.id).where(
+                    ValidationJob.status == JobStatus.RUNNING.value,
+                    ValidationJob.lease_owner.startswith(owner_prefix, autoescape=True),
+                    ValidationJob.lease_owner != keep_owner,
+                )
+            ).all()
+        if not stale:
+            return []
+        with self._write() as session:
+            session.execute(
+                update(ValidationJob)
+                .where(ValidationJob.id.in_(stale), ValidationJob.status == JobStatus.RUNNING.value)
+                .values(lease_expires_at=utcnow() - dt.timedelta(seconds=1))
+            )
+        return self.requeue_expired()
 
     def cancel_jobs(
         self, job_ids: Sequence[int] | None = None, *, run: str | None = None, reason: str = ""
