@@ -294,6 +294,41 @@ def test_timed_out_outcome(registry, run_id):
     assert registry.checkpoints("run-a")[0].validation_status == "TIMED_OUT"
 
 
+def test_coalesce_latest_cancels_older_queued_jobs_only(registry, run_id):
+    register(registry, run_id, 0, {})
+    running = claim_one(registry)
+    register(registry, run_id, 1, {})
+    register(registry, run_id, 2, {})
+    register(registry, run_id, 3, {}, coalesce="latest")
+    jobs = {j.report_index: j for j in registry.validations("run-a")}
+    assert {i: j.status for i, j in jobs.items()} == {
+        0: "RUNNING",
+        1: "CANCELLED",
+        2: "CANCELLED",
+        3: "QUEUED",
+    }
+    assert jobs[1].error_type == "Coalesced" and "report 3" in jobs[1].error_message
+    statuses = [c.validation_status for c in registry.checkpoints("run-a")]
+    assert statuses == ["RUNNING", "CANCELLED", "CANCELLED", "PENDING"]
+    assert succeed(registry, running, {"m": 1.0})
+
+
+def test_timeout_is_retried_only_when_asked(registry, run_id):
+    timed_out = JobOutcome(
+        succeeded=False,
+        error_type="TimeoutError",
+        error_message="slow",
+        retryable=False,
+        timed_out=True,
+    )
+    register(registry, run_id, 0, {}, retry_on_timeout=True, max_attempts=2)
+    register(registry, run_id, 1, {}, max_attempts=2)
+    for claimed in registry.claim_due_jobs(OWNER, {}, lease_s=60):
+        registry.finish_job(claimed.job_id, claimed.lease_token, timed_out)
+    jobs = {j.report_index: j.status for j in registry.validations("run-a")}
+    assert jobs == {0: "QUEUED", 1: "TIMED_OUT"}
+
+
 def test_pool_limits_count_running_jobs_and_priority_orders_claims(registry, run_id):
     for index in range(4):
         register(registry, run_id, index, {}, pool="A10G", priority=index % 2)

@@ -45,6 +45,8 @@ def report(
     priority: int = 0,
     timeout_s: float | None = None,
     max_attempts: int = 3,
+    retry_on_timeout: bool = False,
+    coalesce: str | None = None,
 ) -> None:
     """Reports metrics and a checkpoint; its validation runs later, elsewhere.
 
@@ -53,21 +55,24 @@ def report(
     to ckval's storage and registered, its validation is enqueued, and Ray Train gets
     a pointer checkpoint so ``Result.checkpoints`` still lists it. Outside Ray Train,
     call ``start_run(name)`` first. Returns without waiting for validation.
+
+    ``timeout_s`` bounds one validation attempt (its Ray task is cancelled, the job
+    TIMED_OUT, or retried when ``retry_on_timeout``). ``coalesce="latest"`` skips the
+    run's queued validations that this report supersedes (recorded as CANCELLED).
     """
-    if not isinstance(metrics, dict):
-        raise InvalidInput(f"metrics must be a dict, got {type(metrics).__name__}")
-    if not isinstance(checkpoint_upload_mode, CheckpointUploadMode):
-        raise InvalidInput(
-            f"checkpoint_upload_mode must be a CheckpointUploadMode, got {checkpoint_upload_mode!r}"
-        )
-    if validate_fn is not None and checkpoint is None:
-        raise InvalidInput("validate_fn was given without a checkpoint to validate.")
-    metrics = plain_metrics(metrics)
-    job = None
-    if validate_fn is not None:
-        job = build_job_spec(
-            validate_fn, validate_config, validation_resources, priority, timeout_s, max_attempts
-        )
+    metrics, job = _prepare(
+        metrics,
+        checkpoint,
+        checkpoint_upload_mode,
+        validate_fn,
+        validate_config,
+        validation_resources,
+        priority,
+        timeout_s,
+        max_attempts,
+        retry_on_timeout,
+        coalesce,
+    )
     train_context = _ray_train_context()
     if train_context is None:
         if _current_run is None:
@@ -86,11 +91,8 @@ def report(
         return
     run = train_context.get_experiment_name()
     reporter = _reporter(run)
-    index = reporter.report(metrics, checkpoint, job, checkpoint_upload_mode)
+    index, uri = reporter.report(metrics, checkpoint, job, checkpoint_upload_mode)
     with tempfile.TemporaryDirectory(prefix="ckval-pointer-") as pointer_dir:
-        uri = reporter.storage.uri_for(
-            reporter.storage.checkpoint_path(reporter.settings.namespace, run, index)
-        )
         write_pointer(pointer_dir, run, index, uri)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(pointer_dir))
 
@@ -145,24 +147,27 @@ class Client:
         priority: int = 0,
         timeout_s: float | None = None,
         max_attempts: int = 3,
+        retry_on_timeout: bool = False,
+        coalesce: str | None = None,
     ) -> int | None:
         """As trainer_integration.report(); returns the report index of the checkpoint."""
-        if validate_fn is not None and checkpoint is None:
-            raise InvalidInput("validate_fn was given without a checkpoint to validate.")
-        metrics = plain_metrics(metrics)
-        job = None
-        if validate_fn is not None:
-            job = build_job_spec(
-                validate_fn,
-                validate_config,
-                validation_resources,
-                priority,
-                timeout_s,
-                max_attempts,
-            )
+        metrics, job = _prepare(
+            metrics,
+            checkpoint,
+            checkpoint_upload_mode,
+            validate_fn,
+            validate_config,
+            validation_resources,
+            priority,
+            timeout_s,
+            max_attempts,
+            retry_on_timeout,
+            coalesce,
+        )
         if checkpoint is None:
             return None
-        return self._reporter.report(metrics, checkpoint, job, checkpoint_upload_mode)
+        index, _ = self._reporter.report(metrics, checkpoint, job, checkpoint_upload_mode)
+        return index
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Waits for ASYNC uploads to be registered; raises if one failed."""
@@ -172,6 +177,43 @@ class Client:
         """Waits for every validation of this run to finish."""
         self.flush(timeout_s)
         self._reporter.registry.wait(self.run, timeout_s=timeout_s)
+
+
+def _prepare(
+    metrics,
+    checkpoint,
+    checkpoint_upload_mode,
+    validate_fn,
+    validate_config,
+    validation_resources,
+    priority,
+    timeout_s,
+    max_attempts,
+    retry_on_timeout,
+    coalesce,
+):
+    """Checks every report() argument before anything is stored: (metrics, job spec)."""
+    if not isinstance(metrics, dict):
+        raise InvalidInput(f"metrics must be a dict, got {type(metrics).__name__}")
+    if not isinstance(checkpoint_upload_mode, CheckpointUploadMode):
+        raise InvalidInput(
+            f"checkpoint_upload_mode must be a CheckpointUploadMode, got {checkpoint_upload_mode!r}"
+        )
+    if validate_fn is not None and checkpoint is None:
+        raise InvalidInput("validate_fn was given without a checkpoint to validate.")
+    job = None
+    if validate_fn is not None:
+        job = build_job_spec(
+            validate_fn,
+            validate_config,
+            validation_resources,
+            priority,
+            timeout_s,
+            max_attempts,
+            retry_on_timeout,
+            coalesce,
+        )
+    return plain_metrics(metrics), job
 
 
 def _reporter(run: str, settings=None) -> RunReporter:

@@ -75,6 +75,8 @@ def build_job_spec(
     priority: int,
     timeout_s: float | None,
     max_attempts: int,
+    retry_on_timeout: bool = False,
+    coalesce: str | None = None,
 ) -> JobSpec:
     """Checks every validation argument up front; raises InvalidInput naming the bad one."""
     if isinstance(validate_fn, str):
@@ -124,6 +126,8 @@ def build_job_spec(
         raise InvalidInput(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
         raise InvalidInput(f"max_attempts must be an int >= 1, got {max_attempts!r}")
+    if coalesce not in (None, "latest"):
+        raise InvalidInput(f"coalesce must be None or 'latest', got {coalesce!r}")
     return JobSpec(
         executor_kind=ExecutorKind.RAY_TASK.value,
         pool=pool_for(resources),
@@ -135,6 +139,8 @@ def build_job_spec(
         priority=priority,
         timeout_s=timeout_s,
         max_attempts=max_attempts,
+        retry_on_timeout=bool(retry_on_timeout),
+        coalesce=coalesce,
     )
 
 
@@ -202,8 +208,8 @@ class RunReporter:
         checkpoint,
         job: JobSpec | None,
         mode: CheckpointUploadMode,
-    ) -> int:
-        """Persists and registers one checkpoint; returns its report index.
+    ) -> tuple[int, str]:
+        """Persists and registers one checkpoint; returns its report index and URI.
 
         Raises ReportNotDelivered first if an earlier report could not be delivered.
         """
@@ -213,7 +219,8 @@ class RunReporter:
             # Copy now so training may delete or overwrite its folder at once.
             local = checkpoint.to_directory(tempfile.mkdtemp(prefix="ckval-async-"))
             self._in_background(index, self._upload_then_register, local, index, metrics, job)
-            return index
+            path = self.storage.checkpoint_path(self.settings.namespace, self.run, index)
+            return index, self.storage.uri_for(path)
         persisted = self.persist(checkpoint, mode, index)
         try:
             self.register(index, persisted, metrics, job)
@@ -226,7 +233,7 @@ class RunReporter:
                 self.run,
             )
             self._in_background(index, self._deliver, index, persisted, metrics, job)
-        return index
+        return index, persisted.uri
 
     def _in_background(self, index: int, fn, *args) -> None:
         if self._background is None:

@@ -93,6 +93,7 @@ def upgrade() -> None:
         sa.Column("lease_token", sa.BigInteger(), nullable=False),
         sa.Column("lease_expires_at", sa.DateTime(), nullable=True),
         sa.Column("timeout_s", sa.Float(), nullable=True),
+        sa.Column("retry_on_timeout", sa.Boolean(), nullable=False),
         sa.Column("error_type", sa.String(length=255), nullable=True),
         sa.Column("error_message", sa.Text(), nullable=True),
         sa.Column("error_traceback", sa.Text(), nullable=True),

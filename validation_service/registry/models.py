@@ -149,6 +149,7 @@ class ValidationJob(Base):
     lease_token: Mapped[int] = mapped_column(BigInteger, default=0)
     lease_expires_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
     timeout_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    retry_on_timeout: Mapped[bool] = mapped_column(Boolean, default=False)
     error_type: Mapped[str | None] = mapped_column(String(255), nullable=True)
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
     error_traceback: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -98,6 +98,9 @@ class JobSpec:
     priority: int = 0
     timeout_s: float | None = None
     max_attempts: int = 3
+    retry_on_timeout: bool = False
+    # "latest": registering this job cancels the run's older QUEUED jobs.
+    coalesce: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

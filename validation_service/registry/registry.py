@@ -336,12 +336,15 @@ class Registry:
                             attempts_before_retry=0,
                             lease_token=0,
                             timeout_s=job.timeout_s,
+                            retry_on_timeout=job.retry_on_timeout,
                             not_before=now,
                             created_at=now,
                             updated_at=now,
                         )
                         .returning(ValidationJob.id)
                     ).scalar_one()
+                    if job.coalesce == "latest":
+                        self._coalesce_older(conn, run_id, report_index, now)
                 return Registration(run_id, checkpoint_id, job_id, created=True)
         except IntegrityError:
             # The same run + report index was registered before (or concurrently).
@@ -350,6 +353,44 @@ class Registry:
             if existing is None:
                 raise
             return existing
+
+    def _coalesce_older(
+        self, conn: Connection, run_id: int, report_index: int, now: dt.datetime
+    ) -> None:
+        """Cancels the run's QUEUED jobs of older reports: only the newest is worth it."""
+        older = (
+            select(ValidationJob.id)
+            .join(Checkpoint, Checkpoint.id == ValidationJob.checkpoint_id)
+            .where(
+                ValidationJob.run_id == run_id,
+                ValidationJob.status == JobStatus.QUEUED.value,
+                Checkpoint.report_index < report_index,
+            )
+        )
+        ids = conn.execute(older).scalars().all()
+        if not ids:
+            return
+        conn.execute(
+            update(ValidationJob)
+            .where(ValidationJob.id.in_(ids))
+            .values(
+                status=JobStatus.CANCELLED.value,
+                error_type="Coalesced",
+                error_message=f"skipped: report {report_index} of the run superseded it "
+                "(coalesce='latest')",
+                finished_at=now,
+                updated_at=now,
+            )
+        )
+        conn.execute(
+            update(Checkpoint)
+            .where(
+                Checkpoint.id.in_(
+                    select(ValidationJob.checkpoint_id).where(ValidationJob.id.in_(ids))
+                )
+            )
+            .values(validation_status=ValidationStatus.CANCELLED.value)
+        )
 
     def import_checkpoints(self, run_id: int, checkpoints: Sequence[dict[str, Any]]) -> int:
         """Registers many already-stored checkpoints at once, without validation jobs.
@@ -822,7 +863,8 @@ class Registry:
             return True
 
     def _failure_status(self, job: ValidationJob, outcome: JobOutcome) -> JobStatus:
-        if outcome.retryable and _attempts_left(job):
+        retryable = job.retry_on_timeout if outcome.timed_out else outcome.retryable
+        if retryable and _attempts_left(job):
             return JobStatus.QUEUED
         return JobStatus.TIMED_OUT if outcome.timed_out else JobStatus.FAILED
 
