@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 
 class TcpProxy:
-    def __init__(self, target_host: str, target_port: int):
+    def __init__(self, target_host: str, target_port: int, delay_s: float = 0.0):
         self.target = (target_host, target_port)
+        self.delay_s = delay_s  # per forwarded chunk: a slow network
         self.port = _free_port()
         self._listener: socket.socket | None = None
         self._connections: list[socket.socket] = []
@@ -54,12 +56,14 @@ class TcpProxy:
             with self._lock:
                 self._connections += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+                threading.Thread(target=_pump, args=(a, b, self.delay_s), daemon=True).start()
 
 
-def _pump(source: socket.socket, sink: socket.socket) -> None:
+def _pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
     try:
         while data := source.recv(65536):
+            if delay_s:
+                time.sleep(delay_s)
             sink.sendall(data)
     except OSError:
         pass

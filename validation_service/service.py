@@ -129,6 +129,8 @@ class ValidationService:
             lifetime="detached",
             get_if_exists=True,
             num_cpus=0,
+            # On the head node: autoscaling never takes it away with an idle worker.
+            resources={"node:__internal_head__": 0.001},
             max_restarts=-1,
             max_task_retries=-1,
             max_concurrency=16,

@@ -35,10 +35,10 @@ class CheckpointRecord:
     validation_status: str
     deleted_at: dt.datetime | None
 
-    def to_ray_checkpoint(self):
+    def to_ray_checkpoint(self, storage_options: dict[str, Any] | None = None):
         from validation_service.storage import ray_checkpoint
 
-        return ray_checkpoint(self.uri)
+        return ray_checkpoint(self.uri, storage_options)
 
 
 @dataclasses.dataclass(frozen=True)

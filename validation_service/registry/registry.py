@@ -484,7 +484,10 @@ class Registry:
                 .order_by(Checkpoint.report_index.desc())
                 .limit(1)
             )
-            return None if row is None else _checkpoint_record(row, run).to_ray_checkpoint()
+            if row is None:
+                return None
+            record = _checkpoint_record(row, run)
+            return record.to_ray_checkpoint(self.settings.storage_options)
 
     def best_checkpoints(
         self, run: str | None, metric: str, mode: Mode = "max", k: int = 1
@@ -494,8 +497,9 @@ class Registry:
         Uses the merged metrics (a validated value overrides a reported one of the same
         name). NaN and infinite values are never ranked. Ties go to the earlier report.
         """
+        options = self.settings.storage_options
         return [
-            (record.to_ray_checkpoint(), record.metrics)
+            (record.to_ray_checkpoint(options), record.metrics)
             for record in self.best_checkpoint_records(run, metric, mode, k)
         ]
 
