@@ -189,3 +189,35 @@ def test_report_survives_an_unreachable_registry_and_raises_when_it_stays_down(
     finally:
         proxy.stop()
     assert blocked < settings.delivery_timeout_s
+
+
+def report_context(checkpoint, config):
+    from validation_service.executors import current_validation
+
+    context = current_validation()
+    return {
+        "index_seen": context.report_index,
+        "attempt_seen": context.attempt,
+        "run_matches": float(context.run == config["run"]),
+    }
+
+
+@pytest.mark.ray
+def test_validate_fn_sees_which_validation_it_runs(service, tmp_path, unique_run):
+    from validation_service.executors import current_validation
+
+    assert current_validation() is None  # outside a validation
+    client = Client(unique_run)
+    for value in (1, 2):
+        client.report(
+            {"v": value},
+            make_checkpoint(tmp_path, value),
+            validate_fn=report_context,
+            validate_config={"run": unique_run},
+        )
+    client.wait(timeout_s=120)
+    seen = [c.validated_metrics for c in client.registry.checkpoints(unique_run)]
+    assert seen == [
+        {"index_seen": 0, "attempt_seen": 1, "run_matches": 1.0},
+        {"index_seen": 1, "attempt_seen": 1, "run_matches": 1.0},
+    ]

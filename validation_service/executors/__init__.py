@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from validation_service.executors._run import ValidationContext, current_validation
 from validation_service.registry.records import ClaimedJob, JobOutcome
+
+__all__ = ["Executor", "ValidationContext", "current_validation", "default_executors"]
 
 
 class Executor(Protocol):

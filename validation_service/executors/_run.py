@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import datetime as dt
 import importlib
 import os
@@ -22,6 +24,29 @@ from validation_service.errors import (
 from validation_service.metrics import normalize_metrics
 from validation_service.registry.records import ClaimedJob
 from validation_service.storage import CheckpointStorage
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidationContext:
+    """Which validation is running, for validators that name things after it."""
+
+    run: str
+    namespace: str
+    report_index: int
+    job_id: int
+    attempt: int
+    checkpoint_uri: str
+
+
+_current: contextvars.ContextVar[ValidationContext | None] = contextvars.ContextVar(
+    "ckval_current_validation", default=None
+)
+
+
+def current_validation() -> ValidationContext | None:
+    """The validation this code runs in (inside a validate_fn), else None."""
+    return _current.get()
+
 
 # Errors that cannot go away by running the same attempt again.
 _PERMANENT = (CheckpointNotFound, CheckpointCorrupt, PermanentValidationError, InvalidInput)
@@ -73,7 +98,15 @@ def run_attempt(job: ClaimedJob, storage_root: str, storage_options: dict) -> di
         validate_fn = load_validate_fn(job.validate_fn_ref, job.validate_fn_pickle)
         config = cloudpickle.loads(job.validate_config) if job.validate_config else {}
         local_dir = storage.materialize(job.uri, job.manifest_sha256, workdir)
-        result = validate_fn(Checkpoint.from_directory(local_dir), config)
+        token = _current.set(
+            ValidationContext(
+                job.run, job.namespace, job.report_index, job.job_id, job.attempt, job.uri
+            )
+        )
+        try:
+            result = validate_fn(Checkpoint.from_directory(local_dir), config)
+        finally:
+            _current.reset(token)
         if not isinstance(result, dict):
             raise InvalidInput(
                 f"validate_fn {_name(validate_fn)} returned {type(result).__name__} "
