@@ -1,0 +1,346 @@
+"""Validations that need an A10G scale an autoscaling cluster up from zero A10G nodes.
+
+    python tests/cluster_programs/autoscaling.py [--checkpoints N] [--hold-s S]
+        [--idle-timeout-min M] [--scale-down-timeout-s T]
+
+Starts its own head with `ray start --head --block` (a free port, never 6379; its own
+session, so its process group is ours to kill) and an autoscaling config for Ray's
+fake_multinode provider: a CPU-only head and a node type "a10g" (2 CPUs, a fake GPU,
+`accelerator_type:A10G`) with min_workers 0 and max_workers 2. This is what
+ray.cluster_utils.AutoscalingCluster does, minus its `ray stop --force`, which would kill
+every Ray on the machine. Then it starts the ckval service (pools={"A10G": 2}), reports
+checkpoints with Client(run).report whose validations ask for an A10G and 1 GPU, samples
+the number of alive A10G nodes throughout, waits for the validations and then for the
+idle A10G nodes to be removed. Prints one JSON summary as its last stdout line and stops
+every process it started, also on failure. CKVAL_HOME and RAY_TMPDIR come from the caller
+(else fresh temporary ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import _harness
+import torch
+
+from validation_service.demo import load_digits_split, make_model, validate_digits
+
+A10G = "A10G"
+A10G_RESOURCE = f"accelerator_type:{A10G}"
+MAX_A10G_NODES = 2
+
+
+def validate_on_a10g(checkpoint, config):
+    """The digits evaluation, held open a little so that both nodes get work."""
+    import ray
+
+    metrics = validate_digits(checkpoint, {})
+    time.sleep(config["hold_s"])
+    return {**metrics, "assigned_gpus": len(ray.get_gpu_ids())}
+
+
+def autoscaling_config(gcs_address: str, idle_timeout_min: float) -> dict:
+    """A complete fake_multinode config (the monitor reads it as is, without defaults)."""
+    return {
+        "cluster_name": f"ckval-autoscaling-{os.getpid()}",
+        "max_workers": MAX_A10G_NODES,
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": idle_timeout_min,
+        "docker": {},
+        "provider": {
+            "type": "fake_multinode",
+            # The fake provider joins new nodes to <node ip>:6379 unless told otherwise.
+            "gcs_address": gcs_address,
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+        },
+        "auth": {},
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0},
+            "a10g": {
+                "resources": {
+                    "CPU": 2,
+                    "GPU": 1,
+                    A10G_RESOURCE: 1,
+                    "object_store_memory": 150 * 1024 * 1024,
+                },
+                "node_config": {},
+                "min_workers": 0,
+                "max_workers": MAX_A10G_NODES,
+            },
+        },
+        "head_node_type": "ray.head.default",
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "rsync_exclude": [],
+        "rsync_filter": [],
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
+    }
+
+
+def start_head(port: int, ip: str, config_path: Path, log_path: Path) -> subprocess.Popen:
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    env = dict(os.environ, AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_FAKE_CLUSTER="1")
+    command = [
+        ray_cli,
+        "start",
+        "--head",
+        f"--port={port}",
+        f"--node-ip-address={ip}",
+        f"--autoscaling-config={config_path}",
+        "--num-cpus=1",
+        "--num-gpus=0",
+        f"--object-store-memory={150 * 1024 * 1024}",
+        "--include-dashboard=false",
+        f"--dashboard-port={_harness.free_port()}",
+        f"--ray-client-server-port={_harness.free_port()}",
+        f"--dashboard-agent-listen-port={_harness.free_port()}",
+        "--disable-usage-stats",
+        "--block",
+    ]
+    with open(log_path, "w") as log:
+        # Its own session: its process group holds the GCS, the head raylet and the
+        # autoscaler with the fake nodes it launches, and nothing else.
+        return subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def wait_for_port(head: subprocess.Popen, ip: str, port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            raise RuntimeError(f"`ray start --head` exited with {head.returncode}")
+        try:
+            with socket.create_connection((ip, port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"the head's GCS did not listen on {ip}:{port} within {timeout_s}s")
+
+
+def stop_head(head: subprocess.Popen | None) -> None:
+    if head is None or head.poll() is not None:
+        return
+    try:
+        # `ray start --block` drains its node on SIGTERM for up to 30 s: not needed here.
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(head.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    head.wait(timeout=10)
+
+
+class A10GNodeSampler(threading.Thread):
+    """Samples the alive A10G nodes twice a second: the record of the scale-up and -down."""
+
+    def __init__(self):
+        super().__init__(name="a10g-sampler", daemon=True)
+        self.began = time.monotonic()
+        self.samples: list[tuple[float, int]] = []
+        self.seen: set[str] = set()
+        self._stopping = threading.Event()
+
+    def count(self) -> int:
+        import ray
+
+        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and A10G_RESOURCE in n["Resources"]]
+        self.seen.update(alive)
+        now = round(time.monotonic() - self.began, 1)
+        if not self.samples or self.samples[-1][1] != len(alive):
+            self.samples.append((now, len(alive)))  # changes only, with when they happened
+        return len(alive)
+
+    def run(self) -> None:
+        while not self._stopping.wait(0.5):
+            try:
+                self.count()
+            except Exception:  # noqa: BLE001 - a missed sample is retried next tick
+                pass
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(timeout=5)
+
+
+def save_checkpoint(model: torch.nn.Module, directory: str) -> None:
+    os.makedirs(directory)
+    torch.save(model.state_dict(), os.path.join(directory, "model.pt"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoints", type=int, default=4)
+    parser.add_argument("--hold-s", type=float, default=2.0)
+    parser.add_argument("--idle-timeout-min", type=float, default=0.1)
+    parser.add_argument("--scale-down-timeout-s", type=float, default=90.0)
+    args = parser.parse_args()
+
+    home = _harness.ckval_home()
+    ray_tmpdir = _harness.private_ray_tmpdir()
+    summary: dict = {"scenario": "autoscaling", "home": str(home), "ray_tmpdir": ray_tmpdir}
+    timings: dict[str, float] = {}
+    began = time.monotonic()
+    head = None
+    sampler = None
+    try:
+        import ray
+        import ray._private.services
+        from ray.train import Checkpoint
+
+        from trainer_integration import Client
+        from validation_service.config import ckval_env
+        from validation_service.registry.registry import Registry
+        from validation_service.service import ValidationService
+
+        port = _harness.free_port()
+        ip = ray._private.services.get_node_ip_address()
+        gcs_address = f"{ip}:{port}"
+        config = autoscaling_config(gcs_address, args.idle_timeout_min)
+        config_path = Path(ray_tmpdir) / "autoscaling.json"
+        config_path.write_text(json.dumps(config, indent=1))
+        head_log = Path(ray_tmpdir) / "ray-start.log"
+        summary.update(gcs_address=gcs_address, head_log=str(head_log))
+        head = start_head(port, ip, config_path, head_log)
+        wait_for_port(head, ip, port, timeout_s=60)
+        ray.init(address=gcs_address, log_to_driver=False, runtime_env={"env_vars": ckval_env()})
+        timings["head_start_s"] = round(time.monotonic() - began, 1)
+
+        sampler = A10GNodeSampler()
+        summary["a10g_nodes_at_start"] = sampler.count()
+        if summary["a10g_nodes_at_start"] != 0:
+            raise AssertionError(f"{summary['a10g_nodes_at_start']} A10G nodes before any work")
+        sampler.start()
+        service = ValidationService.start(pools={A10G: MAX_A10G_NODES})
+
+        run = f"autoscale-{os.getpid()}"
+        client = Client(run)
+        torch.manual_seed(0)
+        x_train, _, y_train, _ = load_digits_split()
+        x, y = torch.from_numpy(x_train), torch.from_numpy(y_train).long()
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory() as scratch:
+            for step in range(args.checkpoints):
+                for start in range(0, len(x), 64):
+                    optimizer.zero_grad()
+                    loss = torch.nn.functional.cross_entropy(
+                        model(x[start : start + 64]), y[start : start + 64]
+                    )
+                    loss.backward()
+                    optimizer.step()
+                directory = os.path.join(scratch, str(step))
+                save_checkpoint(model, directory)
+                client.report(
+                    {"step": step, "train_loss": loss.item()},
+                    Checkpoint.from_directory(directory),
+                    validate_fn=validate_on_a10g,
+                    validate_config={"hold_s": args.hold_s},
+                    validation_resources={"num_cpus": 1, "num_gpus": 1, "accelerator_type": A10G},
+                )
+        timings["reports_s"] = round(time.monotonic() - t0, 1)
+
+        registry = Registry()
+        registry.wait(run, timeout_s=240)
+        timings["validations_s"] = round(time.monotonic() - t0, 1)
+        sampler.count()
+        peak = max(count for _, count in sampler.samples)
+        _harness.log(f"validations done in {timings['validations_s']}s; A10G peak {peak}")
+        attempts = _harness.attempts_of(registry, run)
+        summary.update(
+            run=run,
+            service_pools=service.status()["pools"],
+            a10g_nodes_peak=peak,
+            jobs={str(j.report_index): j.status for j in registry.validations(run)},
+            attempts=attempts,
+            checkpoints=[
+                {
+                    "report_index": c.report_index,
+                    "validation_status": c.validation_status,
+                    "accuracy": (c.validated_metrics or {}).get("accuracy"),
+                    "assigned_gpus": (c.validated_metrics or {}).get("assigned_gpus"),
+                }
+                for c in registry.checkpoints(run)
+            ],
+        )
+        service.stop()
+
+        # Scale-down: the A10G nodes, idle since the last validation, go after
+        # idle_timeout_minutes (the autoscaler looks once a second).
+        t1 = time.monotonic()
+        deadline = t1 + args.scale_down_timeout_s
+        while sampler.count() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        remaining = sampler.count()
+        summary["a10g_nodes_after_idle"] = remaining
+        if remaining == 0:
+            timings["scale_down_wait_s"] = round(time.monotonic() - t1, 1)
+        summary["ok"] = True
+    except BaseException:  # noqa: BLE001 - reported in the summary, then torn down
+        summary["ok"] = False
+        summary["error"] = traceback.format_exc()
+        _harness.log(summary["error"])
+        summary["monitor_log_tail"] = _monitor_log_tail(ray_tmpdir)
+    finally:
+        t2 = time.monotonic()
+        summary["teardown_errors"] = _harness.run_all(
+            (lambda: _record_samples(sampler, summary)) if sampler is not None else None,
+            _shutdown_ray,
+            lambda: stop_head(head),
+            lambda: summary.update(
+                leftover_processes_killed=_harness.kill_processes_with(ray_tmpdir)
+            ),
+        )
+        timings["teardown_s"] = round(time.monotonic() - t2, 1)
+        timings["total_s"] = round(time.monotonic() - began, 1)
+        summary["timings"] = timings
+        _harness.emit(summary)
+    return 0 if summary["ok"] else 1
+
+
+def _record_samples(sampler: A10GNodeSampler, summary: dict) -> None:
+    sampler.stop()
+    summary["a10g_node_count_changes"] = sampler.samples
+    summary["a10g_nodes_seen"] = sorted(sampler.seen)
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    ray.shutdown()
+
+
+def _monitor_log_tail(ray_tmpdir: str, lines: int = 40) -> str:
+    logs = sorted(Path(ray_tmpdir).glob("ray/session_*/logs/monitor.log"))
+    if not logs:
+        return ""
+    return "\n".join(logs[-1].read_text(errors="replace").splitlines()[-lines:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Multi-node Ray on one machine: train on A100 nodes and validate on A10G nodes; autoscale.
+
+The session's Ray (conftest) and a second cluster cannot live in one process, so each
+scenario is a program under tests/cluster_programs/ that starts its own cluster (fake GPUs,
+custom `accelerator_type:*` resources, a private RAY_TMPDIR, free ports, never 6379),
+prints a JSON summary as its last stdout line and stops everything it started. The tests
+assert on that summary and on the rows of the program's SQLite registry, and check that
+no process of the program's cluster outlives it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster_programs._harness import kill_processes_with, processes_with
+from validation_service.registry.registry import Registry
+
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+]
+
+PROGRAMS = Path(__file__).with_name("cluster_programs")
+# Generous: on a busy 2-core machine a scenario takes 2 to 3 minutes.
+PROGRAM_TIMEOUT_S = 480
+
+
+def figure(text: str) -> None:
+    print(f"\nCLUSTER FIGURE: {text}")
+
+
+class ClusterProgram:
+    """One scenario program: its CKVAL_HOME, its private Ray temp dir, its summary."""
+
+    def __init__(self, tmp_path: Path):
+        self.home = tmp_path / "home"
+        self.stderr_path = tmp_path / "program.stderr"
+        # Short, under /tmp: Ray puts Unix sockets (at most 107 bytes) below it.
+        self.ray_tmpdir = tempfile.mkdtemp(prefix="ckc-", dir="/tmp")
+        self.env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("CKVAL_") and k not in ("RAY_ADDRESS", "RAY_TMPDIR")
+        }
+        self.env.update(
+            CKVAL_HOME=str(self.home),
+            RAY_TMPDIR=self.ray_tmpdir,
+            RAY_AUTH_MODE="disabled",
+            PYTHONUNBUFFERED="1",
+        )
+
+    def run(self, name: str, *args: str) -> dict:
+        started = time.monotonic()
+        with open(self.stderr_path, "w") as stderr:
+            process = subprocess.Popen(
+                [sys.executable, str(PROGRAMS / name), *args],
+                env=self.env,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                start_new_session=True,
+            )
+            try:
+                stdout, _ = process.communicate(timeout=PROGRAM_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+                kill_processes_with(self.ray_tmpdir)
+                pytest.fail(f"{name} ran past {PROGRAM_TIMEOUT_S}s\n{self.stderr_tail()}")
+        wall_s = time.monotonic() - started
+        lines = [line for line in stdout.splitlines() if line.strip()]
+        assert lines, f"{name} printed nothing (rc {process.returncode})\n{self.stderr_tail()}"
+        summary = json.loads(lines[-1])
+        summary["wall_s"] = round(wall_s, 1)
+        assert process.returncode == 0 and summary["ok"], (
+            f"{name} failed (rc {process.returncode}): {summary.get('error')}\n"
+            f"{summary.get('monitor_log_tail', '')}\n{self.stderr_tail()}"
+        )
+        assert summary["teardown_errors"] == []
+        # The program stopped every process of its cluster before it exited.
+        assert processes_with(self.ray_tmpdir) == []
+        return summary
+
+    def registry(self) -> Registry:
+        return Registry(f"sqlite:///{self.home / 'registry.db'}")
+
+    def stderr_tail(self, chars: int = 6000) -> str:
+        return self.stderr_path.read_text(errors="replace")[-chars:]
+
+    def clean_up(self) -> None:
+        kill_processes_with(self.ray_tmpdir)
+        shutil.rmtree(self.ray_tmpdir, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster_program(tmp_path):
+    program = ClusterProgram(tmp_path)
+    yield program
+    program.clean_up()
+
+
+def windows(jobs) -> list[tuple[dt.datetime, dt.datetime]]:
+    return sorted((a.started_at, a.finished_at) for job in jobs for a in job.attempt_history)
+
+
+def test_trains_on_a100_nodes_and_validates_one_at_a_time_on_a10g_nodes(cluster_program):
+    epochs = 5
+    summary = cluster_program.run("heterogeneous.py", "--epochs", str(epochs), "--hold-s", "1.5")
+    a100, a10g = set(summary["a100_nodes"]), set(summary["a10g_nodes"])
+    assert len(a100) == 2 and len(a10g) == 2 and not a100 & a10g
+    assert summary["train_error"] is None
+    assert not summary["gcs_address"].endswith(":6379")
+    assert summary["service_pools"] == {"A10G": 1}
+
+    registry = cluster_program.registry()
+    run = summary["run"]
+    checkpoints = registry.checkpoints(run)
+    jobs = registry.validations(run)
+    assert [c.report_index for c in checkpoints] == list(range(epochs))
+    assert [j.status for j in jobs] == ["SUCCEEDED"] * epochs
+    assert all(j.pool == "A10G" and j.resources["accelerator_type"] == "A10G" for j in jobs)
+
+    # Training ran on A100 nodes only: both ranks' node ids, gathered by rank 0.
+    for checkpoint in checkpoints:
+        worker_nodes = checkpoint.reported_metrics["worker_node_ids"]
+        assert len(worker_nodes) == 2 and set(worker_nodes) <= a100, worker_nodes
+        assert checkpoint.reported_metrics["node_id"] == worker_nodes[0]
+    assert set(summary["worker_node_ids"]) <= a100
+
+    # Every validation ran on an A10G node, with the (fake) GPU Ray granted it.
+    attempts = [a for job in jobs for a in job.attempt_history]
+    assert len(attempts) == epochs
+    assert {a.node_id for a in attempts} <= a10g, [a.node_id for a in attempts]
+    for checkpoint in checkpoints:
+        assert checkpoint.validation_status == "VALIDATED"
+        assert 0.5 < checkpoint.validated_metrics["accuracy"] <= 1.0
+        assert checkpoint.validated_metrics["assigned_gpus"] == 1
+
+    # Two A10G nodes were free, yet the pool's cap of 1 kept the attempts apart.
+    spans = windows(jobs)
+    assert all(start and end and start < end for start, end in spans)
+    for (_, previous_end), (next_start, _) in zip(spans, spans[1:], strict=False):
+        assert next_start >= previous_end, spans
+    assert summary["max_concurrent_validations"] == 1
+
+    figure(
+        f"heterogeneous: {len(summary['ray_nodes'])} nodes (head, 2 A100, 2 A10G); training "
+        f"on {len(set(summary['worker_node_ids']))} A100 node(s); {epochs} validations on "
+        f"{len({a.node_id for a in attempts})} A10G node(s), at most "
+        f"{summary['max_concurrent_validations']} at once; timings {summary['timings']}, "
+        f"wall {summary['wall_s']}s"
+    )
+
+
+def test_a10g_validations_scale_the_cluster_up_from_zero_and_back(cluster_program):
+    count = 4
+    summary = cluster_program.run(
+        "autoscaling.py",
+        "--checkpoints",
+        str(count),
+        "--hold-s",
+        "2",
+        "--idle-timeout-min",
+        "0.1",
+        "--scale-down-timeout-s",
+        "90",
+    )
+    changes = summary["a10g_node_count_changes"]
+    assert summary["a10g_nodes_at_start"] == 0 and changes[0][1] == 0
+    assert 1 <= summary["a10g_nodes_peak"] <= 2
+    assert summary["service_pools"] == {"A10G": 2}
+    seen = set(summary["a10g_nodes_seen"])
+    assert 1 <= len(seen) <= 2
+
+    registry = cluster_program.registry()
+    jobs = registry.validations(summary["run"])
+    assert [j.status for j in jobs] == ["SUCCEEDED"] * count
+    attempts = [a for job in jobs for a in job.attempt_history]
+    # Each ran on a node the autoscaler added for it: none existed when it was reported.
+    assert attempts and {a.node_id for a in attempts} <= seen, [a.node_id for a in attempts]
+    assert all(
+        j.resources == {"num_cpus": 1, "num_gpus": 1, "accelerator_type": "A10G"} for j in jobs
+    )
+    for checkpoint in registry.checkpoints(summary["run"]):
+        assert checkpoint.validation_status == "VALIDATED"
+        assert checkpoint.validated_metrics["assigned_gpus"] == 1
+        assert 0.5 < checkpoint.validated_metrics["accuracy"] <= 1.0
+
+    # With idle_timeout_minutes=0.1 the idle A10G nodes were removed again.
+    assert summary["a10g_nodes_after_idle"] == 0
+    assert changes[-1][1] == 0 and max(c for _, c in changes) == summary["a10g_nodes_peak"]
+
+    figure(
+        f"autoscaling: A10G nodes over time (s, count) {changes}; "
+        f"{count} validations on {len({a.node_id for a in attempts})} added node(s); "
+        f"all gone {summary['timings'].get('scale_down_wait_s')}s after the validations "
+        f"were done; timings {summary['timings']}, wall {summary['wall_s']}s"
+    )
