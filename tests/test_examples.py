@@ -57,3 +57,9 @@ def test_benchmark_core_smoke(tmp_path):
     out = run([sys.executable, "benchmarks/bench_core.py", "--smoke"], tmp_path)
     assert "dispatch latency, report() returned -> validate_fn started: median" in out
     assert "validations/s" in out
+
+
+def test_benchmark_registry_smoke(tmp_path):
+    out = run([sys.executable, "benchmarks/bench_registry.py", "--smoke"], tmp_path)
+    assert "| sqlite | 2,000 |" in out and "| postgresql | 2,000 |" in out
+    assert "acknowledged/s" in out and "10 validated" in out
