@@ -105,7 +105,10 @@ def build_job_spec(
             f"validate_config cannot be pickled ({exc}); it is stored until the validation "
             "runs. Pass plain values, paths or URIs instead of open handles or locks."
         ) from None
-    resources = dict(validation_resources or {"num_cpus": 1})
+    # Validators that launch Ray work of their own (MapBatchesValidator,
+    # TorchTrainerValidator) recommend num_cpus=0 for the task that drives them.
+    default = getattr(validate_fn, "recommended_resources", None) or {"num_cpus": 1}
+    resources = dict(validation_resources or default)
     unknown = set(resources) - _RESOURCE_KEYS
     if unknown:
         raise InvalidInput(

@@ -1,11 +1,11 @@
-"""MapBatchesValidator: a validate_fn that scores a checkpoint with Ray Data ``map_batches``.
-
-Also owns how validation datasets travel inside a pickled validate_fn (``portable_dataset``).
+"""MapBatchesValidator: a validate_fn that scores a checkpoint with Ray Data ``map_batches``,
+and how validation datasets travel inside a pickled validate_fn (``portable_dataset``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import io
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -104,7 +104,12 @@ class MapBatchesValidator:
         return resources
 
     def __call__(self, checkpoint: Checkpoint, config: dict[str, Any]) -> dict[str, Any]:
-        dataset = resolve_dataset(self.dataset, "dataset")
+        constructor_kwargs = {
+            "checkpoint": checkpoint,
+            **(self.fn_constructor_kwargs or {}),
+            **(config or {}),
+        }
+        _check_constructor_accepts(self.predictor_cls, constructor_kwargs)
         options: dict[str, Any] = {}
         if self.num_cpus is not None:
             options["num_cpus"] = self.num_cpus
@@ -112,13 +117,9 @@ class MapBatchesValidator:
             options["num_gpus"] = self.num_gpus
         if self.accelerator_type:
             options["accelerator_type"] = self.accelerator_type
-        output = dataset.map_batches(
+        output = resolve_dataset(self.dataset, "dataset").map_batches(
             self.predictor_cls,
-            fn_constructor_kwargs={
-                "checkpoint": checkpoint,
-                **(self.fn_constructor_kwargs or {}),
-                **(config or {}),
-            },
+            fn_constructor_kwargs=constructor_kwargs,
             batch_size=self.batch_size,
             batch_format=self.batch_format,
             compute=_actor_pool(self.concurrency),
@@ -132,12 +133,7 @@ class MapBatchesValidator:
         return {key: _plain(result[agg.name]) for key, agg in self.aggregate.items()}
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["dataset"] = portable_dataset(self.dataset, "dataset")
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        return {**self.__dict__, "dataset": portable_dataset(self.dataset, "dataset")}
 
 
 def mean_of_numeric_columns(output: ray.data.Dataset) -> dict[str, float]:
@@ -249,6 +245,18 @@ def _holds_object_refs(obj: Any) -> bool:
 
     _Probe(io.BytesIO()).dump(obj)
     return found
+
+
+def _check_constructor_accepts(predictor_cls: type, kwargs: dict[str, Any]) -> None:
+    # Fails here, once and for good, rather than in every map_batches actor.
+    try:
+        inspect.signature(predictor_cls).bind(**kwargs)
+    except TypeError as exc:
+        raise PermanentValidationError(
+            f"{predictor_cls.__qualname__}(**{sorted(kwargs)}) does not bind ({exc}). Its "
+            "__init__ gets checkpoint=, fn_constructor_kwargs and the validate_config "
+            "entries; accept them (or **kwargs) or report without those validate_config keys."
+        ) from None
 
 
 def _actor_pool(concurrency: int | tuple[int, ...]):

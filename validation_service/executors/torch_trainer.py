@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import posixpath
 import re
 import uuid
 from collections.abc import Callable
@@ -13,12 +15,14 @@ import ray
 from ray.train import DataConfig, RunConfig, ScalingConfig, UserCallback
 
 from validation_service.errors import CkvalError, InvalidInput, PermanentValidationError
+from validation_service.executors import current_validation
 from validation_service.executors.map_batches import (
     DatasetSource,
     check_dataset_source,
     portable_dataset,
     resolve_dataset,
 )
+from validation_service.metrics import to_plain
 
 if TYPE_CHECKING:
     from ray.train import Checkpoint
@@ -26,6 +30,8 @@ if TYPE_CHECKING:
 __all__ = ["EvalRunFailed", "ExactSplitDataConfig", "TorchTrainerValidator"]
 
 _CHECKPOINT_DIR = re.compile(r"checkpoint_(\d+)")
+# Rank 0's last reported metrics, written by the run's controller into the run's folder.
+EVAL_METRICS_FILE = "ckval_eval_metrics.json"
 
 
 class EvalRunFailed(CkvalError, RuntimeError):
@@ -35,8 +41,8 @@ class EvalRunFailed(CkvalError, RuntimeError):
         self.run_name = run_name
         super().__init__(
             f"The eval-only TorchTrainer run {run_name!r} validating checkpoint "
-            f"{checkpoint_path} failed: {cause}. The worker tracebacks follow; the run's "
-            f"files are under {storage_path}/{run_name}."
+            f"{checkpoint_path} failed: {cause}. The job's traceback has each worker's "
+            f"error; the run's files are under {storage_path}/{run_name}."
         )
 
 
@@ -56,10 +62,9 @@ class TorchTrainerValidator:
     as in MapBatchesValidator. By default every dataset is split across workers without
     dropping rows (``ExactSplitDataConfig``), so metrics cover each row exactly once.
 
-    The run is named ``<training run>-validate-<report index>`` (from the checkpoint's
-    storage folder; a unique name where that is unknown) and stored under
-    ``run_config.storage_path``, by default ``$CKVAL_HOME/ray_results``. Other
-    ``run_config`` fields are kept; its name is replaced.
+    The run is named ``<training run>-validate-<report index>`` (``validation_run_name``)
+    and stored under ``run_config.storage_path``, by default ``$CKVAL_HOME/ray_results``.
+    Other ``run_config`` fields are kept; its name is replaced.
 
     The Ray task calling the validator only waits for the trainer's workers: report it
     with ``validation_resources=validator.recommended_resources`` (no CPU), or waiting
@@ -108,36 +113,33 @@ class TorchTrainerValidator:
 
         base = self.run_config or RunConfig(storage_path=str(_default_storage_path()))
         name = validation_run_name(checkpoint)
-        reported = _Rank0Metrics.remote()
+        run_config = dataclasses.replace(
+            base, name=name, callbacks=[*base.callbacks, _SaveRank0Metrics()]
+        )
+        _delete_saved_metrics(run_config)  # left by an earlier attempt of the same validation
+        trainer = TorchTrainer(
+            self.eval_loop_per_worker,
+            train_loop_config={
+                **(self.eval_config or {}),
+                **(config or {}),
+                "checkpoint": checkpoint,
+            },
+            scaling_config=self.scaling_config,
+            run_config=run_config,
+            datasets={
+                key: resolve_dataset(source, f"datasets[{key!r}]")
+                for key, source in (self.datasets or {}).items()
+            },
+            dataset_config=self.dataset_config or ExactSplitDataConfig(),
+        )
         try:
-            run_config = dataclasses.replace(
-                base, name=name, callbacks=[*base.callbacks, _CaptureRank0Metrics(reported)]
-            )
-            trainer = TorchTrainer(
-                self.eval_loop_per_worker,
-                train_loop_config={
-                    **(self.eval_config or {}),
-                    **(config or {}),
-                    "checkpoint": checkpoint,
-                },
-                scaling_config=self.scaling_config,
-                run_config=run_config,
-                datasets={
-                    key: resolve_dataset(source, f"datasets[{key!r}]")
-                    for key, source in (self.datasets or {}).items()
-                },
-                dataset_config=self.dataset_config or ExactSplitDataConfig(),
-            )
-            try:
-                result = trainer.fit()
-            except ray.train.TrainingFailedError as exc:
-                lines = str(exc).strip().splitlines()
-                raise EvalRunFailed(
-                    name, str(base.storage_path), checkpoint.path, lines[-1] if lines else repr(exc)
-                ) from exc
-            metrics = dict(ray.get(reported.get.remote()) or {})
-        finally:
-            ray.kill(reported)
+            result = trainer.fit()
+        except ray.train.TrainingFailedError as exc:
+            lines = str(exc).strip().splitlines()
+            raise EvalRunFailed(
+                name, str(base.storage_path), checkpoint.path, lines[-1] if lines else repr(exc)
+            ) from exc
+        metrics = _load_saved_metrics(run_config)
         if isinstance(result.return_value, dict):
             metrics.update(result.return_value)
         elif result.return_value is not None:
@@ -154,16 +156,11 @@ class TorchTrainerValidator:
         return metrics
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        if self.datasets:
-            state["datasets"] = {
-                key: portable_dataset(source, f"datasets[{key!r}]")
-                for key, source in self.datasets.items()
-            }
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        datasets = self.datasets and {
+            key: portable_dataset(source, f"datasets[{key!r}]")
+            for key, source in self.datasets.items()
+        }
+        return {**self.__dict__, "datasets": datasets}
 
 
 class ExactSplitDataConfig(DataConfig):
@@ -202,11 +199,15 @@ class ExactSplitDataConfig(DataConfig):
 
 
 def validation_run_name(checkpoint: Checkpoint) -> str:
-    """``<training run>-validate-<report index>`` for a checkpoint in ckval's storage layout.
+    """``<training run>-validate-<report index>``: the validation's own name for its run.
 
-    ckval stores checkpoints as ``.../<run>/checkpoint_<report index>``; a checkpoint
-    elsewhere (e.g. a downloaded copy) gets a unique name from its folder.
+    Taken from the running validation (``current_validation()``), else from ckval's
+    storage layout ``.../<run>/checkpoint_<report index>``; a checkpoint elsewhere gets a
+    unique name from its folder.
     """
+    context = current_validation()
+    if context is not None:
+        return f"{context.run}-validate-{context.report_index}"
     path = PurePosixPath(checkpoint.path)
     match = _CHECKPOINT_DIR.fullmatch(path.name)
     if match and path.parent.name:
@@ -214,28 +215,42 @@ def validation_run_name(checkpoint: Checkpoint) -> str:
     return f"ckval-validate-{path.name}-{uuid.uuid4().hex[:8]}"
 
 
-@ray.remote(num_cpus=0)
-class _Rank0Metrics:
-    """Holds the metrics rank 0 last reported; the callback runs in Ray Train's controller."""
+class _SaveRank0Metrics(UserCallback):
+    """Saves rank 0's last ``ray.train.report(metrics)`` next to the run's files.
 
-    def __init__(self) -> None:
-        self.metrics: dict[str, Any] | None = None
-
-    def put(self, metrics: dict[str, Any]) -> None:
-        self.metrics = metrics
-
-    def get(self) -> dict[str, Any] | None:
-        return self.metrics
-
-
-class _CaptureRank0Metrics(UserCallback):
-    # Ray Train 2.60 keeps metrics reported without a checkpoint out of Result.metrics.
-    def __init__(self, mailbox: ray.actor.ActorHandle):
-        self.mailbox = mailbox
+    Ray Train 2.60 keeps metrics reported without a checkpoint out of ``Result.metrics``,
+    and this callback runs in the run's controller, not in the validator's process.
+    """
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        if metrics and metrics[0]:
-            ray.get(self.mailbox.put.remote(dict(metrics[0])))
+        if not metrics or not metrics[0]:
+            return
+        storage = run_context.run_config.storage_context
+        storage.storage_filesystem.create_dir(storage.experiment_fs_path, recursive=True)
+        payload = json.dumps(to_plain(dict(metrics[0]))).encode()
+        with storage.storage_filesystem.open_output_stream(_metrics_path(storage)) as out:
+            out.write(payload)
+
+
+def _metrics_path(storage) -> str:
+    return posixpath.join(storage.experiment_fs_path, EVAL_METRICS_FILE)
+
+
+def _load_saved_metrics(run_config: RunConfig) -> dict[str, Any]:
+    storage = run_config.storage_context
+    try:
+        with storage.storage_filesystem.open_input_stream(_metrics_path(storage)) as f:
+            return json.loads(f.read().decode())
+    except FileNotFoundError:
+        return {}
+
+
+def _delete_saved_metrics(run_config: RunConfig) -> None:
+    storage = run_config.storage_context
+    try:
+        storage.storage_filesystem.delete_file(_metrics_path(storage))
+    except FileNotFoundError:
+        pass
 
 
 def _default_storage_path():
