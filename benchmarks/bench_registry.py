@@ -105,6 +105,7 @@ def bench_best(backends: list[str], sizes: list[int], runs: int, repeats: int) -
             try:
                 registry = Registry(database.url, upgrade=True)
                 load_s = load(registry, size, runs)
+                registry.analyze()
                 time_best(registry, "run-0", 3)  # warm the cache
                 in_run = time_best(registry, "run-0", repeats)
                 across = time_best(registry, None, repeats)

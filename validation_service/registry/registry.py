@@ -439,6 +439,11 @@ class Registry:
                 conn.execute(insert(MetricValue), values)
         return len(rows)
 
+    def analyze(self) -> None:
+        """Refreshes the planner's statistics (after a bulk import; autovacuum does it later)."""
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("ANALYZE")
+
     def _find_registration(
         self, session: Session, run_id: int, report_index: int
     ) -> Registration | None:
@@ -514,7 +519,8 @@ class Registry:
         order = MetricValue.value.desc() if mode == "max" else MetricValue.value.asc()
         conditions = [
             MetricValue.name == metric,
-            MetricValue.effective.is_(True),
+            # "= true", not "IS true": only an equality lets the index give the order.
+            MetricValue.effective == True,  # noqa: E712
             Run.namespace == self.namespace,
         ]
         if run is not None:
