@@ -63,3 +63,15 @@ def test_benchmark_registry_smoke(tmp_path):
     out = run([sys.executable, "benchmarks/bench_registry.py", "--smoke"], tmp_path)
     assert "| sqlite | 2,000 |" in out and "| postgresql | 2,000 |" in out
     assert "acknowledged/s" in out and "10 validated" in out
+
+
+def test_benchmark_async_validation_smoke(tmp_path):
+    out_file = tmp_path / "async.md"
+    run(
+        [sys.executable, "benchmarks/bench_async_validation.py", "--smoke", "--out", str(out_file)],
+        tmp_path,
+        timeout=600,
+    )
+    table = out_file.read_text()
+    for way in ("inline", "native", "ckval"):
+        assert f"| {way} |" in table
