@@ -85,8 +85,12 @@ def validate_digits(checkpoint, config: dict[str, Any]) -> dict[str, float]:
         state = torch.load(os.path.join(directory, "model.pt"), map_location="cpu")
     model.load_state_dict(state)
     model.eval()
-    accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
-    mean_loss = torchmetrics.MeanMetric()
+    # No cross-process sync: the validation sees the whole held-out split, and a sync
+    # would wait forever for other ranks if called inside a Ray Train worker.
+    accuracy = torchmetrics.classification.MulticlassAccuracy(
+        num_classes=10, average="micro", sync_on_compute=False
+    )
+    mean_loss = torchmetrics.MeanMetric(sync_on_compute=False)
     loss_fn = nn.CrossEntropyLoss(reduction="none")
     batch = config.get("batch_size", 256)
     with torch.no_grad():

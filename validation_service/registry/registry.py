@@ -955,6 +955,25 @@ class Registry:
                 job.checkpoint.validation_status = JOB_TO_VALIDATION_STATUS[status].value
         return requeued
 
+    def _select_jobs(
+        self,
+        session: Session,
+        statuses: Sequence[str],
+        job_ids: Sequence[int] | None,
+        run: str | None,
+    ) -> Sequence[ValidationJob]:
+        """Jobs in these statuses, by id and/or run, with their checkpoints, in id order."""
+        query = (
+            select(ValidationJob)
+            .options(selectinload(ValidationJob.checkpoint))
+            .where(ValidationJob.status.in_(list(statuses)))
+        )
+        if job_ids is not None:
+            query = query.where(ValidationJob.id.in_(list(job_ids)))
+        if run is not None:
+            query = query.where(ValidationJob.run_id == self._require_run_id(session, run))
+        return session.scalars(query.order_by(ValidationJob.id)).all()
+
     @retry_on_disconnect
     def release_leases(self, owner_prefix: str, *, keep_owner: str) -> list[int]:
         """Requeues RUNNING jobs leased by earlier incarnations of a restarted service.
@@ -988,17 +1007,8 @@ class Registry:
             raise InvalidInput("cancel needs job ids or a run name")
         now = utcnow()
         with self._write() as session:
-            query = (
-                select(ValidationJob)
-                .options(selectinload(ValidationJob.checkpoint))
-                .where(ValidationJob.status.in_(_ACTIVE))
-            )
-            if job_ids is not None:
-                query = query.where(ValidationJob.id.in_(list(job_ids)))
-            if run is not None:
-                query = query.where(ValidationJob.run_id == self._require_run_id(session, run))
             cancelled = []
-            for job in session.scalars(query.order_by(ValidationJob.id)):
+            for job in self._select_jobs(session, _ACTIVE, job_ids, run):
                 if job.status == JobStatus.RUNNING.value:
                     session.execute(
                         update(ValidationAttempt)
@@ -1033,17 +1043,8 @@ class Registry:
         now = utcnow()
         retryable = [JobStatus.FAILED.value, JobStatus.TIMED_OUT.value, JobStatus.CANCELLED.value]
         with self._write() as session:
-            query = (
-                select(ValidationJob)
-                .options(selectinload(ValidationJob.checkpoint))
-                .where(ValidationJob.status.in_(retryable))
-            )
-            if job_ids is not None:
-                query = query.where(ValidationJob.id.in_(list(job_ids)))
-            if run is not None:
-                query = query.where(ValidationJob.run_id == self._require_run_id(session, run))
             requeued = []
-            for job in session.scalars(query.order_by(ValidationJob.id)):
+            for job in self._select_jobs(session, retryable, job_ids, run):
                 job.status = JobStatus.QUEUED.value
                 job.attempts_before_retry = job.attempts
                 job.error_type = job.error_message = job.error_traceback = None
