@@ -347,7 +347,7 @@ def test_cancel_and_retry(registry, run_id):
     for index in range(3):
         register(registry, run_id, index, {})
     running = claim_one(registry, pools={"CPU": 1})
-    cancelled = registry.cancel_jobs(run="run-a")
+    cancelled = registry.cancel(run="run-a")
     assert len(cancelled) == 3
     assert registry.claim_due_jobs(OWNER, {}, lease_s=60) == []
     assert not succeed(registry, running, {"m": 1.0})  # a cancelled attempt cannot finish

@@ -1034,6 +1034,12 @@ class Registry:
                 cancelled.append(job.id)
             return cancelled
 
+    def cancel(
+        self, job_ids: Sequence[int] | None = None, *, run: str | None = None, reason: str = ""
+    ) -> list[int]:
+        """Cancels jobs by id and/or run (see cancel_jobs); the service stops running ones."""
+        return self.cancel_jobs(job_ids, run=run, reason=reason)
+
     def retry_jobs(
         self, job_ids: Sequence[int] | None = None, *, run: str | None = None
     ) -> list[int]:
