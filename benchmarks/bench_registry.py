@@ -152,10 +152,18 @@ def reporter(run: str, reports: int, env: dict, ready, go, results) -> None:
     client.report({"warmup": 1}, checkpoints[0], validate_fn=noop_validate)  # connect, start
     ready.put(run)
     go.wait()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for checkpoint in checkpoints[1:]:
         client.report({"loss": 0.5}, checkpoint, validate_fn=noop_validate)
-    results.put((run, start, time.perf_counter(), reports - 1))
+    end, cpu = time.perf_counter(), time.process_time() - cpu
+    results.put((run, start, end, reports - 1, cpu))
+
+
+MODES = {
+    "concurrent": "the service validates while the reports arrive (all on the same 2 cores)",
+    "deferred": "the service runs with no validation slots while the reports arrive, then "
+    "validates the backlog",
+}
 
 
 def bench_registration(backends: list[str], reporters: int, reports: int) -> list[str]:
@@ -163,7 +171,6 @@ def bench_registration(backends: list[str], reporters: int, reports: int) -> lis
 
     from validation_service.config import ckval_env
     from validation_service.registry.registry import Registry
-    from validation_service.service import ValidationService
 
     rows = []
     for backend in backends:
@@ -178,52 +185,122 @@ def bench_registration(backends: list[str], reporters: int, reports: int) -> lis
             runtime_env={"env_vars": ckval_env()},
         )
         try:
-            service = ValidationService.start()
-            env = {
-                **ckval_env(),
-                "CKVAL_RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-                "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
-            }
-            context = multiprocessing.get_context("spawn")
-            ready, results, go = context.Queue(), context.Queue(), context.Event()
-            processes = [
-                context.Process(
-                    target=reporter, args=(f"reporter-{i}", reports, env, ready, go, results)
-                )
-                for i in range(reporters)
-            ]
-            for process in processes:
-                process.start()
-            for _ in processes:
-                ready.get(timeout=300)
-            go.set()
-            done = [results.get(timeout=600) for _ in processes]
-            for process in processes:
-                process.join(timeout=60)
-            total = sum(n for *_, n in done)
-            wall = max(end for _, _, end, _ in done) - min(start for _, start, _, _ in done)
-            validated_start = time.perf_counter()
-            for run, *_ in done:
-                registry.wait(run, timeout_s=1200)
-            drain = time.perf_counter() - validated_start
-            counts = sum(
-                1
-                for run, *_ in done
-                for c in registry.checkpoints(run)
-                if c.validation_status == "VALIDATED"
-            )
-            rows.append(
-                f"| {backend} | {reporters} | {total:,} | {total / wall:,.0f} | "
-                f"{counts:,} validated, {drain:.1f} s after the last report |"
-            )
-            print(rows[-1], flush=True)
-            service.stop()
+            for mode in MODES:
+                rows.append(_registration_row(registry, backend, mode, reporters, reports))
         finally:
             ray.shutdown()
             registry.close()
             database.drop()
             os.environ.pop("CKVAL_DATABASE_URL", None)
     return rows
+
+
+def _registration_row(registry, backend: str, mode: str, reporters: int, reports: int) -> str:
+    """One measured window: `reporters` processes each report `reports` checkpoints."""
+    import ray
+
+    from validation_service.config import ckval_env
+    from validation_service.service import ValidationService
+
+    # "deferred": no validation slots while reporting (validations run elsewhere, later).
+    service = ValidationService.start(default_pool_size=0 if mode == "deferred" else 4)
+    env = {
+        **ckval_env(),
+        "CKVAL_RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+    }
+    context = multiprocessing.get_context("spawn")
+    ready, results, go = context.Queue(), context.Queue(), context.Event()
+    processes = [
+        context.Process(
+            target=reporter, args=(f"{mode}-reporter-{i}", reports, env, ready, go, results)
+        )
+        for i in range(reporters)
+    ]
+    for process in processes:
+        process.start()
+    for _ in processes:
+        ready.get(timeout=300)
+    machine_cpu, process_cpu = _machine_cpu_seconds(), _process_cpu_seconds()
+    go.set()
+    done = [results.get(timeout=600) for _ in processes]
+    machine_cpu = _machine_cpu_seconds() - machine_cpu
+    breakdown = _cpu_breakdown(process_cpu, _process_cpu_seconds())
+    for process in processes:
+        process.join(timeout=60)
+    total = sum(n for _, _, _, n, _ in done)
+    wall = max(end for _, _, end, _, _ in done) - min(start for _, start, _, _, _ in done)
+    reporter_ms = 1000 * sum(cpu for *_, cpu in done) / total
+    machine_ms = 1000 * machine_cpu / total
+    runs = [run for run, *_ in done]
+    validated_while_reporting = _validated(registry, runs)
+    if mode == "deferred":
+        service.stop()
+        service = ValidationService.start(default_pool_size=4)
+    drain_start = time.perf_counter()
+    for run in runs:
+        registry.wait(run, timeout_s=1200)
+    drain = time.perf_counter() - drain_start
+    service.stop()
+    row = (
+        f"| {backend} | {mode} | {reporters} | {total:,} | {total / wall:,.0f} | "
+        f"{reporter_ms:.2f} | {machine_ms:.2f} | {validated_while_reporting:,} | "
+        f"{_validated(registry, runs):,} validated, the last {drain:.1f} s after the last "
+        "report |"
+    )
+    print(row, flush=True)
+    print(
+        f"  CPU ms per report while reporting ({backend}, {mode}): "
+        + ", ".join(f"{name} {1000 * cpu / total:.2f}" for name, cpu in breakdown),
+        flush=True,
+    )
+    return row
+
+
+def _validated(registry, runs: list[str]) -> int:
+    return sum(
+        1
+        for run in runs
+        for checkpoint in registry.checkpoints(run)
+        if checkpoint.validation_status == "VALIDATED"
+    )
+
+
+def _machine_cpu_seconds() -> float:
+    """CPU seconds every process on the machine has used (Linux /proc/stat), else 0."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, *_ = (int(x) for x in fields)
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_cpu_seconds() -> dict[int, tuple[str, float]]:
+    """pid -> (process name, CPU seconds used so far), from /proc (Linux), else empty."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    usage = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        usage[int(entry.name)] = (name, (int(fields[11]) + int(fields[12])) / ticks)
+    return usage
+
+
+def _cpu_breakdown(before: dict, after: dict) -> list[tuple[str, float]]:
+    """CPU seconds used between two snapshots by the processes alive at the second,
+    summed by process name (Ray names its workers after what they run), largest first."""
+    by_name: dict[str, float] = {}
+    for pid, (name, cpu) in after.items():
+        used = cpu - before.get(pid, (name, 0.0))[1]
+        if used > 0:
+            by_name[name] = by_name.get(name, 0.0) + used
+    return sorted(by_name.items(), key=lambda item: -item[1])[:8]
 
 
 def main() -> None:
@@ -269,8 +346,10 @@ def main() -> None:
                 f"registration through report() with {args.reporters} reporter processes "
                 "(1 KB checkpoints, SYNC, validate_fn enqueued):",
                 "",
-                "| database | reporters | reports | acknowledged/s | validations |",
-                "| --- | --- | --- | --- | --- |",
+                "| database | validations | reporters | reports | acknowledged/s "
+                "| reporter CPU ms/report | machine CPU ms/report | validated while reporting "
+                "| validations |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
                 *reg_rows,
             ]
         )

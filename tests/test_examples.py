@@ -75,3 +75,17 @@ def test_benchmark_async_validation_smoke(tmp_path):
     table = out_file.read_text()
     for way in ("inline", "native", "ckval"):
         assert f"| {way} |" in table
+
+
+def test_benchmark_executors_smoke(tmp_path):
+    out_file = tmp_path / "executors.md"
+    out = run(
+        [sys.executable, "benchmarks/bench_executors.py", "--smoke", "--out", str(out_file)],
+        tmp_path,
+        timeout=600,
+    )
+    table = out_file.read_text()
+    assert "| ray task | 2/2 |" in table and "| MapBatchesValidator | 2/2 |" in table
+    assert "| TorchTrainerValidator | 1/1 |" in table
+    assert "Accuracy check: every executor, on every copy, computed" in table
+    assert "validated/min" in out

@@ -211,3 +211,38 @@ def test_async_upload_returns_before_the_upload_ends(
     finally:
         handle.stop()
         proxy.stop()
+
+
+def s3_eval_loop(config: dict) -> dict:
+    """An eval-only Ray Train loop that reads the checkpoint it is given."""
+    checkpoint = config["checkpoint"]
+    with checkpoint.as_directory() as directory:
+        value = json.load(open(os.path.join(directory, "value.json")))["value"]
+    return {"score": value, "read_from_s3": float(checkpoint.path.startswith(f"{BUCKET}/"))}
+
+
+def test_torch_trainer_validator_workers_read_the_checkpoint_from_s3(
+    s3_service, tmp_path, unique_run, session_home
+):
+    """The eval run's workers may be on other nodes: they get the S3 checkpoint, not the
+    validating task's local copy."""
+    from ray.train import RunConfig, ScalingConfig
+
+    from validation_service.executors.torch_trainer import TorchTrainerValidator
+
+    validator = TorchTrainerValidator(
+        s3_eval_loop,
+        scaling_config=ScalingConfig(num_workers=1),
+        run_config=RunConfig(storage_path=str(session_home / "ray_results")),
+    )
+    client = Client(unique_run, s3_service)
+    client.report(
+        {"step": 1},
+        model_checkpoint(tmp_path, "c", 7),
+        validate_fn=validator,
+        validation_resources=validator.recommended_resources,
+    )
+    client.wait(timeout_s=240)
+    [record] = Registry(settings=s3_service).checkpoints(unique_run)
+    assert record.validation_status == "VALIDATED", record
+    assert record.validated_metrics == {"score": 7, "read_from_s3": 1.0}

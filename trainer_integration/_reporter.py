@@ -164,6 +164,7 @@ class RunReporter:
         self._next_index = self.registry.next_report_index(self.run_id)
         self._start_service = start_service
         self._service = None
+        self._nudger: _Nudger | None = None
         self._background: ThreadPoolExecutor | None = None
         self._pending: list[tuple[int, Future]] = []
 
@@ -294,9 +295,21 @@ class RunReporter:
             logger.error("%s", exc)
 
     def nudge(self) -> None:
-        """Tells the service there is new work (best effort: it also polls)."""
+        """Tells the service there is new work (best effort: it also polls).
+
+        The first nudge finds (or starts) the service; later ones go out from a
+        background thread, at most one per NUDGE_GAP_S: reports that arrive faster
+        share a nudge, and report() never waits for the call.
+        """
         if not self._start_service:
             return
+        if self._nudger is not None:
+            self._nudger.request()
+            return
+        if self._send_nudge():
+            self._nudger = _Nudger(self._send_nudge)
+
+    def _send_nudge(self) -> bool:
         try:
             if self._service is None:
                 from validation_service.service import ValidationService
@@ -305,9 +318,34 @@ class RunReporter:
                     settings=self.settings
                 )
             self._service.nudge()
+            return True
         except Exception:  # noqa: BLE001 - the job is durable; the service will poll it
             logger.warning("could not nudge the ckval service", exc_info=True)
             self._service = None
+            return False
+
+
+# Reports closer together than this share one nudge (adds at most this to dispatch).
+NUDGE_GAP_S = 0.02
+
+
+class _Nudger:
+    """Sends the nudges of one reporter from a daemon thread, coalescing bursts."""
+
+    def __init__(self, send: Callable[[], bool]):
+        self._send = send
+        self._wanted = threading.Event()
+        threading.Thread(target=self._loop, name="ckval-nudge", daemon=True).start()
+
+    def request(self) -> None:
+        self._wanted.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            self._send()
+            time.sleep(NUDGE_GAP_S)
 
 
 def resolve_settings() -> Settings:

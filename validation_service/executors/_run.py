@@ -36,6 +36,13 @@ class ValidationContext:
     job_id: int
     attempt: int
     checkpoint_uri: str
+    storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def stored_checkpoint(self):
+        """The checkpoint where it is stored (any node can read it), not a local copy."""
+        from validation_service.storage import ray_checkpoint
+
+        return ray_checkpoint(self.checkpoint_uri, self.storage_options)
 
 
 _current: contextvars.ContextVar[ValidationContext | None] = contextvars.ContextVar(
@@ -100,7 +107,13 @@ def run_attempt(job: ClaimedJob, storage_root: str, storage_options: dict) -> di
         local_dir = storage.materialize(job.uri, job.manifest_sha256, workdir)
         token = _current.set(
             ValidationContext(
-                job.run, job.namespace, job.report_index, job.job_id, job.attempt, job.uri
+                job.run,
+                job.namespace,
+                job.report_index,
+                job.job_id,
+                job.attempt,
+                job.uri,
+                storage_options,
             )
         )
         try:

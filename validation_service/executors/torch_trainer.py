@@ -62,6 +62,10 @@ class TorchTrainerValidator:
     as in MapBatchesValidator. By default every dataset is split across workers without
     dropping rows (``ExactSplitDataConfig``), so metrics cover each row exactly once.
 
+    Inside a ckval validation the workers get the checkpoint where it is stored (S3 or
+    any fsspec URI, read through ``Checkpoint.as_directory()``), so that workers on other
+    nodes can read it; local storage must then be a folder every node mounts.
+
     The run is named ``<training run>-validate-<report index>`` (``validation_run_name``)
     and stored under ``run_config.storage_path``, by default ``$CKVAL_HOME/ray_results``.
     Other ``run_config`` fields are kept; its name is replaced.
@@ -117,6 +121,11 @@ class TorchTrainerValidator:
             base, name=name, callbacks=[*base.callbacks, _SaveRank0Metrics()]
         )
         _delete_saved_metrics(run_config)  # left by an earlier attempt of the same validation
+        context = current_validation()
+        if context is not None:
+            # The eval run's workers may be on other nodes: with remote storage the
+            # checkpoint passed in is a verified copy on this node; they read the stored one.
+            checkpoint = context.stored_checkpoint()
         trainer = TorchTrainer(
             self.eval_loop_per_worker,
             train_loop_config={

@@ -295,53 +295,29 @@ class Registry:
             # round trip each) and let the unique constraints catch a repeated one.
             with self._write_connection() as conn:
                 checkpoint_id = conn.execute(
-                    insert(Checkpoint)
-                    .values(
-                        run_id=run_id,
-                        report_index=report_index,
-                        step=step,
-                        epoch=epoch,
-                        uri=uri,
-                        size_bytes=size_bytes,
-                        manifest_sha256=manifest_sha256,
-                        created_at=now,
-                        reported_metrics=metrics,
-                        metrics=metrics,
-                        validation_status=status.value,
-                    )
-                    .returning(Checkpoint.id)
+                    _INSERT_CHECKPOINT,
+                    {
+                        "run_id": run_id,
+                        "report_index": report_index,
+                        "step": step,
+                        "epoch": epoch,
+                        "uri": uri,
+                        "size_bytes": size_bytes,
+                        "manifest_sha256": manifest_sha256,
+                        "created_at": now,
+                        "reported_metrics": metrics,
+                        "metrics": metrics,
+                        "validation_status": status.value,
+                        "deleted_at": None,
+                    },
                 ).scalar_one()
                 values = _metric_rows(checkpoint_id, run_id, metrics, MetricSource.REPORTED)
                 if values:
-                    conn.execute(insert(MetricValue), values)
+                    conn.execute(_INSERT_METRIC_VALUE, values)
                 job_id = None
                 if job is not None:
                     job_id = conn.execute(
-                        insert(ValidationJob)
-                        .values(
-                            checkpoint_id=checkpoint_id,
-                            run_id=run_id,
-                            idempotency_key=_idempotency_key(run_id, report_index),
-                            validate_fn_ref=job.validate_fn_ref,
-                            validate_fn_pickle=job.validate_fn_pickle,
-                            validate_fn_name=job.validate_fn_name[:512],
-                            validate_config=job.validate_config,
-                            executor_kind=job.executor_kind,
-                            resources=job.resources,
-                            pool=job.pool,
-                            priority=job.priority,
-                            status=JobStatus.QUEUED.value,
-                            attempts=0,
-                            max_attempts=job.max_attempts,
-                            attempts_before_retry=0,
-                            lease_token=0,
-                            timeout_s=job.timeout_s,
-                            retry_on_timeout=job.retry_on_timeout,
-                            not_before=now,
-                            created_at=now,
-                            updated_at=now,
-                        )
-                        .returning(ValidationJob.id)
+                        _INSERT_JOB, _job_row(job, checkpoint_id, run_id, report_index, now)
                     ).scalar_one()
                     if job.coalesce == "latest":
                         self._coalesce_older(conn, run_id, report_index, now)
@@ -1072,6 +1048,41 @@ class Registry:
             if row is None:
                 raise JobNotFound(job_id)
             return row[0], row[1]
+
+
+# register_checkpoint runs once per report: statements built once, values bound per call
+# (SQLAlchemy then reuses the compiled form instead of rebuilding it from .values()).
+_INSERT_CHECKPOINT = insert(Checkpoint.__table__).returning(Checkpoint.__table__.c.id)
+_INSERT_METRIC_VALUE = insert(MetricValue.__table__)
+_INSERT_JOB = insert(ValidationJob.__table__).returning(ValidationJob.__table__.c.id)
+
+
+def _job_row(
+    job: JobSpec, checkpoint_id: int, run_id: int, report_index: int, now: dt.datetime
+) -> dict[str, Any]:
+    return {
+        "checkpoint_id": checkpoint_id,
+        "run_id": run_id,
+        "idempotency_key": _idempotency_key(run_id, report_index),
+        "validate_fn_ref": job.validate_fn_ref,
+        "validate_fn_pickle": job.validate_fn_pickle,
+        "validate_fn_name": job.validate_fn_name[:512],
+        "validate_config": job.validate_config,
+        "executor_kind": job.executor_kind,
+        "resources": job.resources,
+        "pool": job.pool,
+        "priority": job.priority,
+        "status": JobStatus.QUEUED.value,
+        "attempts": 0,
+        "max_attempts": job.max_attempts,
+        "attempts_before_retry": 0,
+        "lease_token": 0,
+        "timeout_s": job.timeout_s,
+        "retry_on_timeout": job.retry_on_timeout,
+        "not_before": now,
+        "created_at": now,
+        "updated_at": now,
+    }
 
 
 def _metric_rows(
