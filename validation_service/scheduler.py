@@ -21,6 +21,9 @@ from validation_service.registry.registry import Registry
 
 logger = logging.getLogger(__name__)
 
+# How long a woken loop waits for more wake-ups before it ticks (a cap on ticks/s).
+COALESCE_S = 0.005
+
 
 class Scheduler:
     def __init__(
@@ -96,7 +99,9 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - a database blip must not kill the loop
                 logger.exception("scheduler tick failed; retrying")
                 self._stop.wait(1.0)
-            self._wake.wait(self.settings.poll_interval_s)
+            if self._wake.wait(self.settings.poll_interval_s):
+                # Let a burst of nudges and completions share one tick.
+                self._stop.wait(COALESCE_S)
             self._wake.clear()
         self._cancel_all()
         logger.info("scheduler %s stopped", self.owner)

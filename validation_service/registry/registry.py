@@ -291,36 +291,29 @@ class Registry:
         now = utcnow()
         status = ValidationStatus.PENDING if job else ValidationStatus.NONE
         try:
-            # The common case is a new report: insert straight away (Core statements, one
-            # round trip each) and let the unique constraints catch a repeated one.
+            # The common case is a new report: insert straight away and let the unique
+            # constraints catch a repeated one.
+            row = _checkpoint_row(
+                run_id, report_index, step, epoch, uri, size_bytes, manifest_sha256, metrics, now
+            )
+            row["validation_status"] = status.value
             with self._write_connection() as conn:
-                checkpoint_id = conn.execute(
-                    _INSERT_CHECKPOINT,
-                    {
-                        "run_id": run_id,
-                        "report_index": report_index,
-                        "step": step,
-                        "epoch": epoch,
-                        "uri": uri,
-                        "size_bytes": size_bytes,
-                        "manifest_sha256": manifest_sha256,
-                        "created_at": now,
-                        "reported_metrics": metrics,
-                        "metrics": metrics,
-                        "validation_status": status.value,
-                        "deleted_at": None,
-                    },
-                ).scalar_one()
-                values = _metric_rows(checkpoint_id, run_id, metrics, MetricSource.REPORTED)
-                if values:
-                    conn.execute(_INSERT_METRIC_VALUE, values)
-                job_id = None
-                if job is not None:
-                    job_id = conn.execute(
-                        _INSERT_JOB, _job_row(job, checkpoint_id, run_id, report_index, now)
-                    ).scalar_one()
-                    if job.coalesce == "latest":
-                        self._coalesce_older(conn, run_id, report_index, now)
+                if conn.dialect.name == "postgresql":
+                    checkpoint_id, job_id = _register_in_one_statement(
+                        conn, row, metrics, job, report_index, now
+                    )
+                else:
+                    checkpoint_id = conn.execute(_INSERT_CHECKPOINT, row).scalar_one()
+                    values = _metric_rows(checkpoint_id, run_id, metrics, MetricSource.REPORTED)
+                    if values:
+                        conn.execute(_INSERT_METRIC_VALUE, values)
+                    job_id = None
+                    if job is not None:
+                        job_id = conn.execute(
+                            _INSERT_JOB, _job_row(job, checkpoint_id, run_id, report_index, now)
+                        ).scalar_one()
+                if job is not None and job.coalesce == "latest":
+                    self._coalesce_older(conn, run_id, report_index, now)
                 return Registration(run_id, checkpoint_id, job_id, created=True)
         except IntegrityError:
             # The same run + report index was registered before (or concurrently).
@@ -397,13 +390,7 @@ class Registry:
         if not rows:
             return 0
         with self._write_connection() as conn:
-            ids = (
-                conn.execute(
-                    insert(Checkpoint).returning(Checkpoint.id, sort_by_parameter_order=True), rows
-                )
-                .scalars()
-                .all()
-            )
+            ids = conn.execute(_INSERT_CHECKPOINTS_IN_ORDER, rows).scalars().all()
             values = [
                 value
                 for checkpoint_id, row in zip(ids, rows, strict=True)
@@ -411,8 +398,10 @@ class Registry:
                     checkpoint_id, run_id, row["metrics"], MetricSource.REPORTED
                 )
             ]
-            if values:
-                conn.execute(insert(MetricValue), values)
+            if values and conn.dialect.name == "postgresql":
+                _copy_metric_values(conn, values)
+            elif values:
+                conn.execute(_INSERT_METRIC_VALUE, values)
         return len(rows)
 
     def analyze(self) -> None:
@@ -1055,6 +1044,151 @@ class Registry:
 _INSERT_CHECKPOINT = insert(Checkpoint.__table__).returning(Checkpoint.__table__.c.id)
 _INSERT_METRIC_VALUE = insert(MetricValue.__table__)
 _INSERT_JOB = insert(ValidationJob.__table__).returning(ValidationJob.__table__.c.id)
+_INSERT_CHECKPOINTS_IN_ORDER = insert(Checkpoint.__table__).returning(
+    Checkpoint.__table__.c.id, sort_by_parameter_order=True
+)
+_METRIC_VALUE_COLUMNS = ("checkpoint_id", "run_id", "name", "source", "value", "effective")
+
+
+def _copy_metric_values(conn: Connection, values: list[dict[str, Any]]) -> None:
+    """PostgreSQL's COPY for a bulk import's metric values (several times faster)."""
+    columns = ", ".join(_METRIC_VALUE_COLUMNS)
+    cursor = conn.connection.dbapi_connection.cursor()
+    try:
+        with cursor.copy(f"COPY metric_values ({columns}) FROM STDIN") as copy:
+            for value in values:
+                copy.write_row([value[name] for name in _METRIC_VALUE_COLUMNS])
+    finally:
+        cursor.close()
+
+
+_CHECKPOINT_COLUMNS = (
+    "run_id",
+    "report_index",
+    "step",
+    "epoch",
+    "uri",
+    "size_bytes",
+    "manifest_sha256",
+    "created_at",
+    "reported_metrics",
+    "metrics",
+    "validation_status",
+    "deleted_at",
+)
+
+
+def _checkpoint_row(
+    run_id, report_index, step, epoch, uri, size_bytes, manifest_sha256, metrics, now
+) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "report_index": report_index,
+        "step": step,
+        "epoch": epoch,
+        "uri": uri,
+        "size_bytes": size_bytes,
+        "manifest_sha256": manifest_sha256,
+        "created_at": now,
+        "reported_metrics": metrics,
+        "metrics": metrics,
+        "validation_status": None,
+        "deleted_at": None,
+    }
+
+
+@functools.cache
+def _one_statement_registration(with_job: bool):
+    """PostgreSQL: a checkpoint, its metric values and its job in one statement (one
+    round trip instead of three), chained by data-modifying CTEs.
+
+    Parameters: the checkpoint's columns prefixed ``c_``, the job's prefixed ``j_``, and
+    ``m_names``/``m_values`` (arrays) for the metric values. Returns (checkpoint id, job
+    id or None, metric values inserted).
+    """
+    from sqlalchemy import Float, Integer, String, bindparam, literal, true
+    from sqlalchemy.dialects.postgresql import ARRAY
+
+    checkpoints, values, jobs = (
+        Checkpoint.__table__,
+        MetricValue.__table__,
+        ValidationJob.__table__,
+    )
+    new_checkpoint = (
+        insert(checkpoints)
+        .values({name: bindparam(f"c_{name}") for name in _CHECKPOINT_COLUMNS})
+        .returning(checkpoints.c.id, checkpoints.c.run_id)
+        .cte("new_checkpoint")
+    )
+    metric = (
+        func.unnest(
+            bindparam("m_names", type_=ARRAY(String)), bindparam("m_values", type_=ARRAY(Float))
+        )
+        .table_valued("name", "value")
+        .render_derived()
+    )
+    new_values = (
+        insert(values)
+        .from_select(
+            ["checkpoint_id", "run_id", "name", "source", "value", "effective"],
+            select(
+                new_checkpoint.c.id,
+                new_checkpoint.c.run_id,
+                metric.c.name,
+                literal(MetricSource.REPORTED.value, String),
+                metric.c.value,
+                literal(True),
+            ).select_from(new_checkpoint.join(metric, true())),
+        )
+        .returning(values.c.checkpoint_id)
+        .cte("new_values")
+    )
+    job_id = literal(None, Integer)
+    if with_job:
+        job_columns = [name for name in _job_row_keys() if name != "checkpoint_id"]
+        new_job = (
+            insert(jobs)
+            .from_select(
+                ["checkpoint_id", *job_columns],
+                select(
+                    new_checkpoint.c.id,
+                    *(bindparam(f"j_{name}", type_=jobs.c[name].type) for name in job_columns),
+                ),
+            )
+            .returning(jobs.c.id)
+            .cte("new_job")
+        )
+        job_id = select(new_job.c.id).scalar_subquery()
+    return select(
+        new_checkpoint.c.id,
+        job_id,
+        select(func.count()).select_from(new_values).scalar_subquery(),
+    )
+
+
+@functools.cache
+def _job_row_keys() -> tuple[str, ...]:
+    return tuple(_job_row(JobSpec("", "", ""), 0, 0, 0, utcnow()))
+
+
+def _register_in_one_statement(
+    conn: Connection,
+    row: dict[str, Any],
+    metrics: dict[str, Any],
+    job: JobSpec | None,
+    report_index: int,
+    now: dt.datetime,
+) -> tuple[int, int | None]:
+    ranked = rankable(metrics)
+    params = {f"c_{name}": value for name, value in row.items()}
+    params["m_names"], params["m_values"] = list(ranked), list(ranked.values())
+    if job is not None:
+        job_row = _job_row(job, 0, row["run_id"], report_index, now)
+        params.update({f"j_{name}": v for name, v in job_row.items() if name != "checkpoint_id"})
+    checkpoint_id, job_id, _ = conn.execute(
+        _one_statement_registration(job is not None), params
+    ).one()
+    return checkpoint_id, job_id
 
 
 def _job_row(
