@@ -7,8 +7,13 @@
 Each size is loaded into a fresh database (SQLite in a temp folder; PostgreSQL as a new
 database on CKVAL_TEST_POSTGRES_URL's server, dropped afterwards) with 5 metrics per
 checkpoint, then best_checkpoints(k=10) is timed within one run and across all runs.
-Registration throughput runs 8 reporter processes calling Client.report() against the
-running service; it counts reports acknowledged per second.
+Registration throughput runs 8 reporter processes calling Client.report() (1 KB
+checkpoint, SYNC upload, a validate_fn enqueued) against the running service, and counts
+reports acknowledged per second, twice per database: "concurrent", with the service
+validating while the reports arrive (on one machine, everything shares its cores), and
+"deferred", with the service holding no validation slots during the window (as when the
+validations run on other nodes), after which it validates the backlog. It also prints
+the CPU time per report: the reporters' own, the machine's, and by process name.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
-from sqlalchemy import and_, delete, func, insert, or_, select, update
+from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, text, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, selectinload, sessionmaker
@@ -604,19 +604,15 @@ class Registry:
 
     @retry_on_disconnect
     def due_pools(self, now: dt.datetime | None = None) -> list[str]:
-        """Pools that have at least one QUEUED job whose not_before has passed."""
-        now = now or utcnow()
+        """Pools that have at least one QUEUED job whose not_before has passed.
+
+        Called on every scheduler tick, so it must not read the whole queue: a loose
+        index scan visits one index entry per pool (a recursive MIN(pool) > previous),
+        then looks for a due job within each of those pools.
+        """
+        params = {"queued": JobStatus.QUEUED.value, "now": now or utcnow()}
         with self._session() as session:
-            return list(
-                session.scalars(
-                    select(ValidationJob.pool)
-                    .where(
-                        ValidationJob.status == JobStatus.QUEUED.value,
-                        ValidationJob.not_before <= now,
-                    )
-                    .distinct()
-                )
-            )
+            return [pool for pool, due in session.execute(_DUE_POOLS, params) if due]
 
     def next_due_at(self) -> dt.datetime | None:
         with self._session() as session:
@@ -1047,6 +1043,27 @@ _INSERT_JOB = insert(ValidationJob.__table__).returning(ValidationJob.__table__.
 _INSERT_CHECKPOINTS_IN_ORDER = insert(Checkpoint.__table__).returning(
     Checkpoint.__table__.c.id, sort_by_parameter_order=True
 )
+_DUE_POOLS = text(
+    """
+    WITH RECURSIVE queued(pool) AS (
+        SELECT (
+            SELECT pool FROM validation_jobs WHERE status = :queued ORDER BY pool LIMIT 1
+        )
+        UNION ALL
+        SELECT (
+            SELECT pool FROM validation_jobs
+            WHERE status = :queued AND pool > queued.pool ORDER BY pool LIMIT 1
+        )
+        FROM queued WHERE queued.pool IS NOT NULL
+    )
+    SELECT pool, (
+        SELECT 1 FROM validation_jobs AS job
+        WHERE job.status = :queued AND job.pool = queued.pool AND job.not_before <= :now
+        LIMIT 1
+    ) AS due
+    FROM queued WHERE pool IS NOT NULL
+    """
+).bindparams(bindparam("now", type_=ValidationJob.__table__.c.not_before.type))
 _METRIC_VALUE_COLUMNS = ("checkpoint_id", "run_id", "name", "source", "value", "effective")
 
 
@@ -1106,7 +1123,7 @@ def _one_statement_registration(with_job: bool):
     ``m_names``/``m_values`` (arrays) for the metric values. Returns (checkpoint id, job
     id or None, metric values inserted).
     """
-    from sqlalchemy import Float, Integer, String, bindparam, literal, true
+    from sqlalchemy import Float, Integer, String, literal, true
     from sqlalchemy.dialects.postgresql import ARRAY
 
     checkpoints, values, jobs = (
