@@ -427,3 +427,25 @@ def test_deleted_checkpoint_is_never_ranked(registry, run_id):
     registry.delete_checkpoint(a.checkpoint_id)
     assert [r.report_index for r in registry.best_checkpoint_records("run-a", "acc", k=5)] == [1]
     assert len(registry.checkpoints("run-a", include_deleted=True)) == 2
+
+
+def test_due_pools_lists_each_pool_with_due_work_once(registry, run_id):
+    assert registry.due_pools() == []
+    for index in range(5):
+        register(registry, run_id, index, {"loss": 0.1}, pool="CPU")
+    register(registry, run_id, 5, {}, pool="A10G")
+    register(registry, run_id, 6, {}, pool="GPU")
+    assert sorted(registry.due_pools()) == ["A10G", "CPU", "GPU"]
+    # A pool whose only queued job is backing off has no due work; a claimed one none left.
+    from sqlalchemy import update
+
+    from validation_service.registry.models import ValidationJob
+
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=5)
+    with registry.engine.begin() as conn:
+        conn.execute(
+            update(ValidationJob).where(ValidationJob.pool == "GPU").values(not_before=later)
+        )
+    claim_one(registry, pools={"A10G": 1, "CPU": 0, "GPU": 0})
+    assert registry.due_pools() == ["CPU"]
+    assert sorted(registry.due_pools(now=later + dt.timedelta(seconds=1))) == ["CPU", "GPU"]

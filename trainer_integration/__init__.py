@@ -91,7 +91,22 @@ def report(
         return
     run = train_context.get_experiment_name()
     reporter = _reporter(run)
-    index, uri = reporter.report(metrics, checkpoint, job, checkpoint_upload_mode)
+    if checkpoint_upload_mode is not CheckpointUploadMode.SYNC:
+        index, uri = reporter.report(metrics, checkpoint, job, checkpoint_upload_mode)
+        _report_pointer(run, index, uri, metrics)
+        return
+    # Ray Train gets the pointer while ckval stores and registers the checkpoint:
+    # report() blocks for the longer of the two, not for both one after the other.
+    index, uri, stored = reporter.report_alongside(metrics, checkpoint, job)
+    try:
+        _report_pointer(run, index, uri, metrics)
+    finally:
+        stored.result()
+
+
+def _report_pointer(run: str, index: int, uri: str, metrics: dict) -> None:
+    import ray.train
+
     with tempfile.TemporaryDirectory(prefix="ckval-pointer-") as pointer_dir:
         write_pointer(pointer_dir, run, index, uri)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(pointer_dir))

@@ -84,7 +84,7 @@ def build_job_spec(
         fn_ref, fn_pickle, fn_name = validate_fn, None, validate_fn
     elif callable(validate_fn):
         try:
-            fn_ref, fn_pickle = None, cloudpickle.dumps(validate_fn)
+            fn_ref, fn_pickle = None, _pickled(validate_fn)
         except Exception as exc:  # noqa: BLE001 - any pickling error is the user's to fix
             raise InvalidInput(
                 f"validate_fn {validate_fn!r} cannot be pickled ({exc}). Define it at module "
@@ -147,6 +147,26 @@ def build_job_spec(
     )
 
 
+# Each validate_fn is pickled once per process, as Ray pickles ValidationConfig(fn) once
+# per trainer; what changes from report to report belongs in validate_config.
+_PICKLED_MAX = 32
+_pickled_fns: dict[int, tuple[Callable[..., Any], bytes]] = {}
+_pickled_lock = threading.Lock()
+
+
+def _pickled(fn: Callable[..., Any]) -> bytes:
+    with _pickled_lock:
+        cached = _pickled_fns.get(id(fn))
+        if cached is not None and cached[0] is fn:
+            return cached[1]
+    data = cloudpickle.dumps(fn)
+    with _pickled_lock:
+        if len(_pickled_fns) >= _PICKLED_MAX:
+            _pickled_fns.pop(next(iter(_pickled_fns)))
+        _pickled_fns[id(fn)] = (fn, data)  # holds fn: its id is not reused meanwhile
+    return data
+
+
 class RunReporter:
     """Reports checkpoints of one run from one process; thread-safe."""
 
@@ -165,6 +185,7 @@ class RunReporter:
         self._start_service = start_service
         self._service = None
         self._nudger: _Nudger | None = None
+        self._alongside: ThreadPoolExecutor | None = None
         self._background: ThreadPoolExecutor | None = None
         self._pending: list[tuple[int, Future]] = []
 
@@ -225,6 +246,30 @@ class RunReporter:
             self._in_background(index, self._upload_then_register, local, index, metrics, job)
             path = self.storage.checkpoint_path(self.settings.namespace, self.run, index)
             return index, self.storage.uri_for(path)
+        return index, self._persist_and_register(metrics, checkpoint, job, mode, index)
+
+    def report_alongside(
+        self, metrics: dict[str, Any], checkpoint, job: JobSpec | None
+    ) -> tuple[int, str, Future]:
+        """A SYNC report whose upload and registration run on a thread meanwhile.
+
+        Returns the report index, the URI the checkpoint will have, and a future that
+        ends once it is stored and registered (raising what storing it raised), so
+        that the caller can hand Ray Train its pointer in the meantime.
+        """
+        self.raise_undelivered()
+        index = self.reserve_index()
+        path = self.storage.checkpoint_path(self.settings.namespace, self.run, index)
+        if self._alongside is None:
+            self._alongside = ThreadPoolExecutor(1, thread_name_prefix="ckval-sync-report")
+        future = self._alongside.submit(
+            self._persist_and_register, metrics, checkpoint, job, CheckpointUploadMode.SYNC, index
+        )
+        return index, self.storage.uri_for(path), future
+
+    def _persist_and_register(
+        self, metrics: dict[str, Any], checkpoint, job: JobSpec | None, mode, index: int
+    ) -> str:
         persisted = self.persist(checkpoint, mode, index)
         try:
             self.register(index, persisted, metrics, job)
@@ -237,7 +282,7 @@ class RunReporter:
                 self.run,
             )
             self._in_background(index, self._deliver, index, persisted, metrics, job)
-        return index, persisted.uri
+        return persisted.uri
 
     def _in_background(self, index: int, fn, *args) -> None:
         if self._background is None:
