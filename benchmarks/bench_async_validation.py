@@ -38,6 +38,9 @@ Measured per way, as in Ray's release benchmark:
 - blocking = report blocked + in-loop validation + final wait;
 - total validation: sum of the validate_fn durations; best accuracy over checkpoints.
 
+Before the measured runs, one short untimed run per way starts Ray's workers and imports
+torch in them, as in a long-running service (``--no-warmup`` measures from cold).
+
 Scenarios: ``backlog`` trains for 0.5x the validation time between checkpoints,
 ``no-backlog`` for 3x. The checkpoint interval K is calibrated with a short
 TorchTrainer run that times training steps. Note that in every way ``ray.train.report``
@@ -480,6 +483,12 @@ def render_markdown(results: list[WayResult], meta: dict[str, Any]) -> str:
         "MAX_IN_FLIGHT_VALIDATIONS = 1; both 1 CPU per validation; Ray logical CPUs "
         f"{meta['ray_cpus']}",
         f"- wall time of the whole script: {meta['wall_s']:.0f} s",
+        "- warm-up: "
+        + (
+            "one untimed 2-checkpoint run per way before the measured runs"
+            if meta["warmup"]
+            else "none (the first run of each way starts cold)"
+        ),
         "",
         "Columns: e2e = fit() start until the driver holds every validated metric; report "
         "blocked = sum of the time report() blocked rank 0; in-loop val = validation inside the"
@@ -619,11 +628,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.01,
         help="allowed spread of best accuracy across ways (default 0.01)",
     )
+    parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="measure from a cold start (by default one untimed run per way goes first)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the markdown here")
     parser.add_argument("--keep", action="store_true", help="keep the temporary CKVAL_HOME")
     args = parser.parse_args(argv)
     if args.smoke:
         args.checkpoints, args.validation_seconds, args.scenario = [2], 0.3, "backlog"
+        args.warmup = False
     return args
 
 
@@ -663,6 +679,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         step_s = SMOKE_STEP_S if args.smoke else calibrate_step_seconds(bench)
         print(f"training: {step_s * 1000:.2f} ms per step")
+        if args.warmup:
+            # One short untimed run per way: Ray's workers exist and have imported torch
+            # and torchmetrics before anything is measured (a long-running service's
+            # steady state). Cold starts are in the first run of a --no-warmup run.
+            for way in args.ways:
+                print(f"warm-up: {way} (2 checkpoints, not measured) ...", flush=True)
+                RUNNERS[way](bench, "warmup", 2, max(1, round(0.5 / step_s)))
         scenarios = list(SCENARIOS) if args.scenario == "both" else [args.scenario]
         for scenario in scenarios:
             interval_s = SCENARIOS[scenario] * args.validation_seconds
@@ -711,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
         "ray_cpus": ray_cpus,
         "repeats": args.repeats,
         "wall_s": time.perf_counter() - wall_started,
+        "warmup": args.warmup,
     }
     markdown = render_markdown(results, meta)
     print("\n" + markdown)

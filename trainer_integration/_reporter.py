@@ -342,17 +342,18 @@ class RunReporter:
     def nudge(self) -> None:
         """Tells the service there is new work (best effort: it also polls).
 
-        The first nudge finds (or starts) the service; later ones go out from a
-        background thread, at most one per NUDGE_GAP_S: reports that arrive faster
-        share a nudge, and report() never waits for the call.
+        Nudges go out from a background thread, which finds (or starts) the service
+        first; reports that arrive faster than one per NUDGE_GAP_S share a nudge, and
+        report() never waits for the call. A pending nudge is sent before the process
+        exits, so that a script's last reports are not left waiting for a poll.
         """
         if not self._start_service:
             return
-        if self._nudger is not None:
-            self._nudger.request()
-            return
-        if self._send_nudge():
-            self._nudger = _Nudger(self._send_nudge)
+        with self._lock:
+            if self._nudger is None:
+                self._nudger = _Nudger(self._send_nudge)
+                atexit.register(self._nudger.flush, self.settings.delivery_timeout_s)
+        self._nudger.request()
 
     def _send_nudge(self) -> bool:
         try:
@@ -380,10 +381,18 @@ class _Nudger:
     def __init__(self, send: Callable[[], bool]):
         self._send = send
         self._wanted = threading.Event()
+        self._idle = threading.Event()
+        self._lock = threading.Lock()
         threading.Thread(target=self._loop, name="ckval-nudge", daemon=True).start()
 
     def request(self) -> None:
-        self._wanted.set()
+        with self._lock:
+            self._idle.clear()
+            self._wanted.set()
+
+    def flush(self, timeout_s: float) -> None:
+        """Waits until no nudge is pending (at exit: the service may still be starting)."""
+        self._idle.wait(timeout_s)
 
     def _loop(self) -> None:
         while True:
@@ -391,6 +400,9 @@ class _Nudger:
             self._wanted.clear()
             self._send()
             time.sleep(NUDGE_GAP_S)
+            with self._lock:
+                if not self._wanted.is_set():
+                    self._idle.set()
 
 
 def resolve_settings() -> Settings:
