@@ -64,11 +64,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import os
-import platform
-import shlex
 import shutil
 import statistics
 import sys
@@ -79,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import fresh_ckval_home, load_average, pickle_by_value, run_description
 from torch import nn
 
 from validation_service.demo import load_digits_split, make_model
@@ -156,6 +154,8 @@ def train_func(config: dict[str, Any]) -> None:
     torch.manual_seed(config["seed"])
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
+    if config["way"] == "ckval":
+        import trainer_integration  # noqa: F401 - where a training script imports it
     x_train, _, y_train, _ = load_digits_split()
     x = torch.from_numpy(x_train[rank::world])
     y = torch.from_numpy(y_train[rank::world]).long()
@@ -646,14 +646,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     wall_started = time.perf_counter()
-    load_before = _load()
-    workdir = Path(tempfile.mkdtemp(prefix="ckval-bench-async-"))
-    # Before ray.init: Ray workers and the service inherit this fresh CKVAL_HOME.
-    os.environ["CKVAL_HOME"] = str(workdir / "ckval")
-    for name in ("CKVAL_DATABASE_URL", "CKVAL_STORAGE", "CKVAL_RAY_ADDRESS"):
-        os.environ.pop(name, None)
+    load_before = load_average()
+    workdir = fresh_ckval_home("ckval-bench-async-")
     if __name__ != "__main__":  # imported: ship this module's functions by value
-        _pickle_by_value()
+        pickle_by_value(__name__)
 
     import ray
 
@@ -719,14 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     meta = {
-        "command": " ".join(shlex.quote(a) for a in [_python(), *sys.argv]),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), "
-        f"{'GPU present but unused' if torch.cuda.is_available() else 'no GPU'}",
-        "versions": f"ray {ray.__version__}, torch {torch.__version__}, "
-        f"python {platform.python_version()}",
-        "load_before": load_before,
-        "load_after": _load(),
+        **run_description(load_before),
         "noisy_copies": noisy_copies,
         "validation_seconds": args.validation_seconds,
         "step_ms": step_s * 1000,
@@ -745,25 +734,6 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(f"PROBLEM: {problem}", file=sys.stderr)
     return 1 if problems else 0
-
-
-def _python() -> str:
-    """The interpreter as the user would type it: .venv/bin/python from the repository."""
-    relative = os.path.relpath(sys.executable)
-    return relative if not relative.startswith("..") else sys.executable
-
-
-def _load() -> str:
-    return "/".join(f"{v:.2f}" for v in os.getloadavg())
-
-
-def _pickle_by_value() -> None:
-    import cloudpickle
-    import ray.cloudpickle
-
-    module = sys.modules[__name__]
-    cloudpickle.register_pickle_by_value(module)
-    ray.cloudpickle.register_pickle_by_value(module)
 
 
 if __name__ == "__main__":

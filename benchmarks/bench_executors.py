@@ -47,12 +47,9 @@ import argparse
 import dataclasses
 import datetime as dt
 import os
-import platform
-import shlex
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -61,6 +58,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _common import fresh_ckval_home, load_average, pickle_by_value, run_description
 from torch import nn
 
 from validation_service.demo import load_digits_split, make_model, validate_digits
@@ -417,16 +415,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     wall_started = time.perf_counter()
-    load_before = _load()
-    workdir = Path(tempfile.mkdtemp(prefix="ckval-bench-executors-"))
-    # Before ray.init: Ray workers and the service inherit this fresh CKVAL_HOME, and
-    # ray.init starts a new local Ray rather than joining one named by RAY_ADDRESS.
-    os.environ["CKVAL_HOME"] = str(workdir / "ckval")
-    for name in ("CKVAL_DATABASE_URL", "CKVAL_STORAGE", "CKVAL_RAY_ADDRESS", "RAY_ADDRESS"):
-        os.environ.pop(name, None)
+    load_before = load_average()
+    workdir = fresh_ckval_home("ckval-bench-executors-")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if __name__ != "__main__":  # imported: ship this module's functions by value
-        _pickle_by_value()
+        pickle_by_value(__name__)
 
     import ray
 
@@ -472,14 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     meta = {
-        "command": " ".join(shlex.quote(a) for a in [_python(), *sys.argv]),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), "
-        f"{'GPU present but unused' if torch.cuda.is_available() else 'no GPU'}",
-        "versions": f"python {platform.python_version()}, ray {ray.__version__}, "
-        f"torch {torch.__version__}",
-        "load_before": load_before,
-        "load_after": _load(),
+        **run_description(load_before),
         "pool_size": args.pool_size,
         "ray_cpus": args.ray_cpus,
         "map_batches_actors": args.map_batches_actors,
@@ -508,25 +494,6 @@ def _run_name(what: str) -> str:
 
 def _seconds(delta: dt.timedelta) -> float:
     return delta.total_seconds()
-
-
-def _python() -> str:
-    """The interpreter as the user would type it: .venv/bin/python from the repository."""
-    relative = os.path.relpath(sys.executable)
-    return relative if not relative.startswith("..") else sys.executable
-
-
-def _load() -> str:
-    return "/".join(f"{v:.2f}" for v in os.getloadavg())
-
-
-def _pickle_by_value() -> None:
-    import cloudpickle
-    import ray.cloudpickle
-
-    module = sys.modules[__name__]
-    cloudpickle.register_pickle_by_value(module)
-    ray.cloudpickle.register_pickle_by_value(module)
 
 
 if __name__ == "__main__":

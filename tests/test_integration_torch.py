@@ -164,3 +164,42 @@ def test_failing_and_non_dict_validate_fn_fail_while_training_completes(
     statuses = [c.validation_status for c in registry.checkpoints(unique_run)]
     assert statuses == ["VALIDATED", "FAILED", "FAILED", "VALIDATED"]
     assert len(registry.best_checkpoints(unique_run, "accuracy", k=10)) == 2
+
+
+def train_after_setup_is_ready(config):
+    """Rank 0 checks that its reporter was set up before its first report()."""
+    import ray.train
+
+    import trainer_integration
+
+    run = ray.train.get_context().get_experiment_name()
+    deadline = time.monotonic() + 60
+    while run not in trainer_integration._reporters and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if ray.train.get_context().get_world_rank() == 0:
+        assert run in trainer_integration._reporters, "the reporter was not prepared"
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.save(make_model().state_dict(), os.path.join(tmp, "model.pt"))
+            started = time.perf_counter()
+            report({"step": 1}, ray.train.Checkpoint.from_directory(tmp))
+            blocked = time.perf_counter() - started
+        ray.train.report({"first_report_s": blocked})
+    else:
+        assert run not in trainer_integration._reporters  # only rank 0 reports checkpoints
+        report({}, None)
+        ray.train.report({})
+
+
+def test_rank_0_sets_up_its_reporter_while_training_starts(service, session_home, unique_run):
+    """The registry connection and the run row are made before the first report()."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    result = TorchTrainer(
+        train_after_setup_is_ready,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name=unique_run, storage_path=str(session_home / "ray_results")),
+    ).fit()
+    assert result.error is None
+    [record] = Registry().checkpoints(unique_run)
+    assert record.report_index == 0 and record.validation_status == "NONE"

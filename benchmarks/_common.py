@@ -1,0 +1,61 @@
+"""What the benchmark scripts share: how a run is described, and shipping code to workers."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+
+def command_line() -> str:
+    """This run's command as the user would type it (.venv/bin/python from the repository)."""
+    relative = os.path.relpath(sys.executable)
+    python = relative if not relative.startswith("..") else sys.executable
+    return " ".join(shlex.quote(a) for a in [python, *sys.argv])
+
+
+def load_average() -> str:
+    return "/".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def pickle_by_value(module_name: str) -> None:
+    """Ray workers cannot import a benchmark script: ship its functions by value."""
+    import cloudpickle
+    import ray.cloudpickle
+
+    module = sys.modules[module_name]
+    cloudpickle.register_pickle_by_value(module)
+    ray.cloudpickle.register_pickle_by_value(module)
+
+
+def fresh_ckval_home(prefix: str):
+    """A new temporary folder as CKVAL_HOME, set before ray.init so that Ray's workers and
+    the service inherit it; the embedded defaults apply and a new local Ray starts."""
+    import tempfile
+    from pathlib import Path
+
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    os.environ["CKVAL_HOME"] = str(workdir / "ckval")
+    for name in ("CKVAL_DATABASE_URL", "CKVAL_STORAGE", "CKVAL_RAY_ADDRESS", "RAY_ADDRESS"):
+        os.environ.pop(name, None)
+    return workdir
+
+
+def run_description(load_before: str) -> dict[str, str]:
+    """The header every results file starts with: command, date, machine, versions, load."""
+    import datetime as dt
+    import platform
+
+    import ray
+    import torch
+
+    gpu = "GPU present but unused" if torch.cuda.is_available() else "no GPU"
+    return {
+        "command": command_line(),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), {gpu}",
+        "versions": f"python {platform.python_version()}, ray {ray.__version__}, "
+        f"torch {torch.__version__}",
+        "load_before": load_before,
+        "load_after": load_average(),
+    }
