@@ -154,8 +154,6 @@ def train_func(config: dict[str, Any]) -> None:
     torch.manual_seed(config["seed"])
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
-    if config["way"] == "ckval":
-        import trainer_integration  # noqa: F401 - where a training script imports it
     x_train, _, y_train, _ = load_digits_split()
     x = torch.from_numpy(x_train[rank::world])
     y = torch.from_numpy(y_train[rank::world]).long()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 
 from trainer_integration._reporter import (
@@ -247,38 +246,3 @@ def _ray_train_context():
         return ray.train.get_context()
     except Exception:  # noqa: BLE001 - not inside a Ray Train worker
         return None
-
-
-# How long a Ray Train worker that imported this module waits for its train context.
-_PREPARE_WAIT_S = 60.0
-
-
-def _prepare_in_background() -> None:
-    """Inside a Ray Train worker, sets up rank 0's reporter on a thread while training
-    starts (registry connection, run row, storage), so that the first report() does not
-    pay for it. Anything that fails here is done again, and raised, by report()."""
-    try:
-        import ray
-
-        if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
-            return  # Ray Train workers are actors; drivers and tasks are not
-    except Exception:  # noqa: BLE001 - not in a Ray worker
-        return
-    threading.Thread(target=_prepare_reporter, name="ckval-prepare", daemon=True).start()
-
-
-def _prepare_reporter() -> None:
-    deadline = time.monotonic() + _PREPARE_WAIT_S
-    context = _ray_train_context()
-    while context is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-        context = _ray_train_context()
-    if context is None or context.get_world_rank() != 0:
-        return
-    try:
-        _reporter(context.get_experiment_name())
-    except Exception:  # noqa: BLE001 - report() sets it up again and raises
-        logger.debug("preparing the ckval reporter failed", exc_info=True)
-
-
-_prepare_in_background()
