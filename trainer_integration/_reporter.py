@@ -244,8 +244,7 @@ class RunReporter:
             # Copy now so training may delete or overwrite its folder at once.
             local = checkpoint.to_directory(tempfile.mkdtemp(prefix="ckval-async-"))
             self._in_background(index, self._upload_then_register, local, index, metrics, job)
-            path = self.storage.checkpoint_path(self.settings.namespace, self.run, index)
-            return index, self.storage.uri_for(path)
+            return index, self._upload_uri(index)
         return index, self._persist_and_register(metrics, checkpoint, job, mode, index)
 
     def report_alongside(
@@ -259,13 +258,17 @@ class RunReporter:
         """
         self.raise_undelivered()
         index = self.reserve_index()
-        path = self.storage.checkpoint_path(self.settings.namespace, self.run, index)
         if self._alongside is None:
             self._alongside = ThreadPoolExecutor(1, thread_name_prefix="ckval-sync-report")
         future = self._alongside.submit(
             self._persist_and_register, metrics, checkpoint, job, CheckpointUploadMode.SYNC, index
         )
-        return index, self.storage.uri_for(path), future
+        return index, self._upload_uri(index), future
+
+    def _upload_uri(self, index: int) -> str:
+        """Where an upload of this report goes (known before it starts)."""
+        path = self.storage.checkpoint_path(self.settings.namespace, self.run, index)
+        return self.storage.uri_for(path)
 
     def _persist_and_register(
         self, metrics: dict[str, Any], checkpoint, job: JobSpec | None, mode, index: int

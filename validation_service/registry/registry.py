@@ -294,14 +294,12 @@ class Registry:
             # The common case is a new report: insert straight away and let the unique
             # constraints catch a repeated one.
             row = _checkpoint_row(
-                run_id, report_index, step, epoch, uri, size_bytes, manifest_sha256, metrics, now
+                run_id, report_index, step, epoch, uri, size_bytes, manifest_sha256, metrics
             )
-            row["validation_status"] = status.value
+            row.update(created_at=now, validation_status=status.value)
             with self._write_connection() as conn:
                 if conn.dialect.name == "postgresql":
-                    checkpoint_id, job_id = _register_in_one_statement(
-                        conn, row, metrics, job, report_index, now
-                    )
+                    checkpoint_id, job_id = _register_in_one_statement(conn, row, job)
                 else:
                     checkpoint_id = conn.execute(_INSERT_CHECKPOINT, row).scalar_one()
                     values = _metric_rows(checkpoint_id, run_id, metrics, MetricSource.REPORTED)
@@ -371,22 +369,18 @@ class Registry:
         now = utcnow()
         rows = []
         for item in checkpoints:
-            metrics = normalize_metrics(item.get("metrics", {}), what="imported metrics")
-            rows.append(
-                {
-                    "run_id": run_id,
-                    "report_index": item["report_index"],
-                    "step": item.get("step"),
-                    "epoch": item.get("epoch"),
-                    "uri": item["uri"],
-                    "size_bytes": item.get("size_bytes", 0),
-                    "manifest_sha256": item.get("manifest_sha256"),
-                    "created_at": now,
-                    "reported_metrics": metrics,
-                    "metrics": metrics,
-                    "validation_status": ValidationStatus.NONE.value,
-                }
+            row = _checkpoint_row(
+                run_id,
+                item["report_index"],
+                item.get("step"),
+                item.get("epoch"),
+                item["uri"],
+                item.get("size_bytes", 0),
+                item.get("manifest_sha256"),
+                normalize_metrics(item.get("metrics", {}), what="imported metrics"),
             )
+            row.update(created_at=now, validation_status=ValidationStatus.NONE.value)
+            rows.append(row)
         if not rows:
             return 0
         with self._write_connection() as conn:
@@ -1079,25 +1073,10 @@ def _copy_metric_values(conn: Connection, values: list[dict[str, Any]]) -> None:
         cursor.close()
 
 
-_CHECKPOINT_COLUMNS = (
-    "run_id",
-    "report_index",
-    "step",
-    "epoch",
-    "uri",
-    "size_bytes",
-    "manifest_sha256",
-    "created_at",
-    "reported_metrics",
-    "metrics",
-    "validation_status",
-    "deleted_at",
-)
-
-
 def _checkpoint_row(
-    run_id, report_index, step, epoch, uri, size_bytes, manifest_sha256, metrics, now
+    run_id, report_index, step, epoch, uri, size_bytes, manifest_sha256, metrics
 ) -> dict[str, Any]:
+    """A checkpoints row; the caller sets created_at and validation_status."""
     return {
         "run_id": run_id,
         "report_index": report_index,
@@ -1106,7 +1085,7 @@ def _checkpoint_row(
         "uri": uri,
         "size_bytes": size_bytes,
         "manifest_sha256": manifest_sha256,
-        "created_at": now,
+        "created_at": None,
         "reported_metrics": metrics,
         "metrics": metrics,
         "validation_status": None,
@@ -1133,7 +1112,7 @@ def _one_statement_registration(with_job: bool):
     )
     new_checkpoint = (
         insert(checkpoints)
-        .values({name: bindparam(f"c_{name}") for name in _CHECKPOINT_COLUMNS})
+        .values({name: bindparam(f"c_{name}") for name in _checkpoint_columns()})
         .returning(checkpoints.c.id, checkpoints.c.run_id)
         .cte("new_checkpoint")
     )
@@ -1162,7 +1141,7 @@ def _one_statement_registration(with_job: bool):
     )
     job_id = literal(None, Integer)
     if with_job:
-        job_columns = [name for name in _job_row_keys() if name != "checkpoint_id"]
+        job_columns = _job_columns()
         new_job = (
             insert(jobs)
             .from_select(
@@ -1184,24 +1163,26 @@ def _one_statement_registration(with_job: bool):
 
 
 @functools.cache
-def _job_row_keys() -> tuple[str, ...]:
-    return tuple(_job_row(JobSpec("", "", ""), 0, 0, 0, utcnow()))
+def _checkpoint_columns() -> tuple[str, ...]:
+    return tuple(_checkpoint_row(0, 0, None, None, "", 0, None, {}))
+
+
+@functools.cache
+def _job_columns() -> tuple[str, ...]:
+    """The job row's columns but checkpoint_id, which the statement takes from its CTE."""
+    row = _job_row(JobSpec("", "", ""), 0, 0, 0, utcnow())
+    return tuple(name for name in row if name != "checkpoint_id")
 
 
 def _register_in_one_statement(
-    conn: Connection,
-    row: dict[str, Any],
-    metrics: dict[str, Any],
-    job: JobSpec | None,
-    report_index: int,
-    now: dt.datetime,
+    conn: Connection, row: dict[str, Any], job: JobSpec | None
 ) -> tuple[int, int | None]:
-    ranked = rankable(metrics)
+    ranked = rankable(row["metrics"])
     params = {f"c_{name}": value for name, value in row.items()}
     params["m_names"], params["m_values"] = list(ranked), list(ranked.values())
     if job is not None:
-        job_row = _job_row(job, 0, row["run_id"], report_index, now)
-        params.update({f"j_{name}": v for name, v in job_row.items() if name != "checkpoint_id"})
+        job_row = _job_row(job, 0, row["run_id"], row["report_index"], row["created_at"])
+        params.update({f"j_{name}": job_row[name] for name in _job_columns()})
     checkpoint_id, job_id, _ = conn.execute(
         _one_statement_registration(job is not None), params
     ).one()
