@@ -47,6 +47,15 @@ def test_upload_writes_files_and_a_manifest_with_sizes_and_sha256(storage, sourc
     assert not [p for p in os.listdir(os.path.dirname(persisted.uri)) if p.startswith(".staging")]
 
 
+def test_an_empty_checkpoint_folder_is_stored_with_an_empty_manifest(storage, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    persisted = storage.upload(empty, "ns", "run", 0)
+    assert persisted.size_bytes == 0
+    assert os.listdir(persisted.uri) == [MANIFEST_NAME]
+    assert storage.verify(persisted.uri, persisted.manifest_sha256).total_size == 0
+
+
 def test_corrupt_and_missing_files_are_detected(storage, source):
     persisted = storage.upload(source, "ns", "run", 0)
     target = os.path.join(persisted.uri, "model.pt")

@@ -113,6 +113,7 @@ class CheckpointStorage:
             os.makedirs(parent, exist_ok=True)
             staging = os.path.join(parent, f".staging-{uuid.uuid4().hex}")
             try:
+                os.mkdir(staging)  # an empty checkpoint folder is still a checkpoint
                 for rel, src in _walk(source):
                     target = os.path.join(staging, rel)
                     os.makedirs(os.path.dirname(target), exist_ok=True)
