@@ -150,6 +150,11 @@ def train_func(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
+    if config["way"] == "ckval":
+        # Where a training script imports it, at the top: rank 0 sets its reporter up
+        # while training starts.
+        import trainer_integration  # noqa: F401
+
     torch.set_num_threads(1)
     torch.manual_seed(config["seed"])
     context = ray.train.get_context()

@@ -164,3 +164,54 @@ def test_failing_and_non_dict_validate_fn_fail_while_training_completes(
     statuses = [c.validation_status for c in registry.checkpoints(unique_run)]
     assert statuses == ["VALIDATED", "FAILED", "FAILED", "VALIDATED"]
     assert len(registry.best_checkpoints(unique_run, "accuracy", k=10)) == 2
+
+
+def report_a_missing_then_a_real_checkpoint(config):
+    import ray.train
+
+    import trainer_integration
+    from validation_service.errors import CheckpointNotFound
+
+    context = ray.train.get_context()
+    run = context.get_experiment_name()
+    if context.get_world_rank() != 0:
+        report({}, None)
+        report({}, None)
+        return
+    # Importing trainer_integration set rank 0's reporter up on a thread, writing nothing.
+    deadline = time.monotonic() + 60
+    while run not in trainer_integration._reporters and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert run in trainer_integration._reporters
+    assert Registry().find_run_id(run) is None
+    missing = ray.train.Checkpoint.from_directory(os.path.join(config["home"], "no-such-dir"))
+    try:
+        report({"step": 0}, missing, validate_fn=validate_digits)
+    except CheckpointNotFound:
+        pass
+    else:
+        raise AssertionError("a missing checkpoint folder was reported without an error")
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(make_model().state_dict(), os.path.join(tmp, "model.pt"))
+        report({"step": 1}, ray.train.Checkpoint.from_directory(tmp), validate_fn=validate_digits)
+
+
+def test_a_checkpoint_that_cannot_be_stored_raises_on_rank_0_and_training_goes_on(
+    service, session_home, unique_run
+):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    result = TorchTrainer(
+        report_a_missing_then_a_real_checkpoint,
+        train_loop_config={"home": str(session_home)},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name=unique_run, storage_path=str(session_home / "ray_results")),
+    ).fit()
+    assert result.error is None  # rank 1 was not left waiting in the failed report
+    registry = Registry()
+    registry.wait(unique_run, timeout_s=120)
+    records = registry.checkpoints(unique_run)
+    assert [(r.report_index, r.reported_metrics["step"]) for r in records] == [(0, 1)]
+    assert records[0].validation_status == "VALIDATED"
+    assert [m["step"] for _, m in result.best_checkpoints] == [1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -90,18 +91,25 @@ def report(
         ray.train.report(metrics)
         return
     run = train_context.get_experiment_name()
-    reporter = _reporter(run)
-    if checkpoint_upload_mode is not CheckpointUploadMode.SYNC:
-        index, uri = reporter.report(metrics, checkpoint, job, checkpoint_upload_mode)
-        _report_pointer(run, index, uri, metrics)
-        return
-    # Ray Train gets the pointer while ckval stores and registers the checkpoint:
-    # report() blocks for the longer of the two, not for both one after the other.
-    index, uri, stored = reporter.report_alongside(metrics, checkpoint, job)
+    registered = None
+    try:
+        reporter = _reporter(run)
+        if checkpoint_upload_mode is CheckpointUploadMode.SYNC:
+            # ckval stores the checkpoint (the copy Ray Train would make) and registers
+            # it on a thread while Ray Train gets the pointer.
+            index, uri, registered = reporter.report_in_ray_train(metrics, checkpoint, job)
+        else:
+            index, uri = reporter.report(metrics, checkpoint, job, checkpoint_upload_mode)
+    except Exception:
+        ray.train.report(metrics)  # the other ranks are in this report too: keep in step
+        raise
     try:
         _report_pointer(run, index, uri, metrics)
     finally:
-        stored.result()
+        if registered is not None:
+            registered.result()
+    if registered is not None and job is not None:
+        reporter.nudge()
 
 
 def _report_pointer(run: str, index: int, uri: str, metrics: dict) -> None:
@@ -145,6 +153,7 @@ class Client:
     def __init__(self, run: str, settings=None):
         self.run = run
         self._reporter = _reporter(run, settings)
+        self._reporter.ensure_run()
 
     @property
     def registry(self):
@@ -239,6 +248,29 @@ def _reporter(run: str, settings=None) -> RunReporter:
         return reporter
 
 
+def _set_up_rank_zero_early() -> None:
+    """In rank 0 of a Ray Train run, sets its reporter up on a thread as training starts.
+
+    The first report() then finds the registry open and the service found, instead of
+    doing it while training waits (~60 ms). It writes nothing: the run is created by its
+    first checkpoint. Any failure is left to the first report() to raise.
+    """
+    if "ray.train" not in sys.modules:  # not in a Ray Train worker: nothing to prepare
+        return
+    context = _ray_train_context()
+    if context is None or context.get_world_rank() != 0:
+        return
+    run = context.get_experiment_name()
+    threading.Thread(target=_set_up, args=(run,), name="ckval-set-up", daemon=True).start()
+
+
+def _set_up(run: str) -> None:
+    try:
+        _reporter(run).prepare()
+    except Exception:  # noqa: BLE001 - the first report() sets up again and raises
+        logger.debug("early set-up of run %r failed", run, exc_info=True)
+
+
 def _ray_train_context():
     try:
         import ray.train
@@ -246,3 +278,6 @@ def _ray_train_context():
         return ray.train.get_context()
     except Exception:  # noqa: BLE001 - not inside a Ray Train worker
         return None
+
+
+_set_up_rank_zero_early()

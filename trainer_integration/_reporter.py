@@ -179,21 +179,63 @@ class RunReporter:
         self.storage = CheckpointStorage(
             self.settings.resolved_storage(), self.settings.storage_options
         )
-        self.run_id = self.registry.ensure_run(run, storage_root=self.storage.root_uri)
         self._lock = threading.Lock()
-        self._next_index = self.registry.next_report_index(self.run_id)
+        # The run is created by its first registered checkpoint (or by ensure_run()):
+        # setting a reporter up writes nothing.
+        self._run_id = self.registry.find_run_id(run)
+        self._next_index = (
+            0 if self._run_id is None else self.registry.next_report_index(self._run_id)
+        )
         self._start_service = start_service
         self._service = None
         self._nudger: _Nudger | None = None
-        self._alongside: ThreadPoolExecutor | None = None
+        self._registering: ThreadPoolExecutor | None = None
         self._background: ThreadPoolExecutor | None = None
         self._pending: list[tuple[int, Future]] = []
+
+    @property
+    def run_id(self) -> int:
+        return self.ensure_run()
+
+    def ensure_run(self) -> int:
+        """The run's id, creating the run in the registry if it is not there yet."""
+        if self._run_id is None:
+            with self._lock:
+                if self._run_id is None:
+                    self._run_id = self.registry.ensure_run(
+                        self.run, storage_root=self.storage.root_uri
+                    )
+        return self._run_id
+
+    def prepare(self) -> None:
+        """Gets ready for a first report while training starts; writes nothing.
+
+        Starts the registration thread and looks the running service up for nudges
+        (never starts one).
+        """
+        self._registration_thread().submit(lambda: None).result()
+        if self._start_service and self._service is None:
+            from validation_service.service import ValidationService
+
+            self._service = ValidationService.get(self.settings)
+
+    def _registration_thread(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._registering is None:
+                self._registering = ThreadPoolExecutor(1, thread_name_prefix="ckval-register")
+            return self._registering
 
     def reserve_index(self) -> int:
         with self._lock:
             index = self._next_index
             self._next_index += 1
             return index
+
+    def _release_index(self, index: int) -> None:
+        """Gives back an index whose checkpoint was never stored, if none came after it."""
+        with self._lock:
+            if self._next_index == index + 1:
+                self._next_index = index
 
     def persist(self, checkpoint, mode: CheckpointUploadMode, index: int) -> PersistedCheckpoint:
         if mode is CheckpointUploadMode.NO_UPLOAD:
@@ -211,6 +253,8 @@ class RunReporter:
         persisted: PersistedCheckpoint,
         metrics: dict[str, Any],
         job: JobSpec | None,
+        *,
+        nudge: bool = True,
     ):
         registration = self.registry.register_checkpoint(
             self.run_id,
@@ -223,7 +267,7 @@ class RunReporter:
             epoch=_int_or_none(metrics.get("epoch")),
             job=job,
         )
-        if job is not None:
+        if job is not None and nudge:
             self.nudge()
         return registration
 
@@ -247,23 +291,28 @@ class RunReporter:
             return index, self._upload_uri(index)
         return index, self._persist_and_register(metrics, checkpoint, job, mode, index)
 
-    def report_alongside(
+    def report_in_ray_train(
         self, metrics: dict[str, Any], checkpoint, job: JobSpec | None
     ) -> tuple[int, str, Future]:
-        """A SYNC report whose upload and registration run on a thread meanwhile.
+        """A SYNC report inside Ray Train: stores now, registers on a thread meanwhile.
 
-        Returns the report index, the URI the checkpoint will have, and a future that
-        ends once it is stored and registered (raising what storing it raised), so
-        that the caller can hand Ray Train its pointer in the meantime.
+        The checkpoint is in storage when this returns (training may then delete its
+        folder). Its registration runs on a thread while the caller hands Ray Train the
+        pointer; the returned future ends once it is registered, raising what
+        registering raised. It does not nudge the service: the caller does that after
+        Ray's report, so that the nudge does not compete with it.
         """
         self.raise_undelivered()
         index = self.reserve_index()
-        if self._alongside is None:
-            self._alongside = ThreadPoolExecutor(1, thread_name_prefix="ckval-sync-report")
-        future = self._alongside.submit(
-            self._persist_and_register, metrics, checkpoint, job, CheckpointUploadMode.SYNC, index
+        try:
+            persisted = self.persist(checkpoint, CheckpointUploadMode.SYNC, index)
+        except BaseException:
+            self._release_index(index)
+            raise
+        future = self._registration_thread().submit(
+            self._register_or_deliver, index, persisted, metrics, job, nudge=False
         )
-        return index, self._upload_uri(index), future
+        return index, persisted.uri, future
 
     def _upload_uri(self, index: int) -> str:
         """Where an upload of this report goes (known before it starts)."""
@@ -274,8 +323,14 @@ class RunReporter:
         self, metrics: dict[str, Any], checkpoint, job: JobSpec | None, mode, index: int
     ) -> str:
         persisted = self.persist(checkpoint, mode, index)
+        self._register_or_deliver(index, persisted, metrics, job)
+        return persisted.uri
+
+    def _register_or_deliver(
+        self, index: int, persisted: PersistedCheckpoint, metrics, job, *, nudge: bool = True
+    ) -> None:
         try:
-            self.register(index, persisted, metrics, job)
+            self.register(index, persisted, metrics, job, nudge=nudge)
         except DBAPIError as exc:
             # The checkpoint is stored; the registry is unreachable for the moment.
             logger.warning(
@@ -285,7 +340,6 @@ class RunReporter:
                 self.run,
             )
             self._in_background(index, self._deliver, index, persisted, metrics, job)
-        return persisted.uri
 
     def _in_background(self, index: int, fn, *args) -> None:
         if self._background is None:

@@ -199,12 +199,10 @@ class Registry:
         tags: dict[str, Any] | None = None,
     ) -> int:
         """Returns the id of the named run in this namespace, creating it if needed."""
-        _check_run_name(name)
         for _ in range(3):
-            with self._session() as session:
-                run_id = session.scalar(self._run_id_query(name))
-                if run_id is not None:
-                    return run_id
+            run_id = self.find_run_id(name)
+            if run_id is not None:
+                return run_id
             try:
                 with self._write() as session:
                     run = Run(
@@ -219,6 +217,13 @@ class Registry:
             except IntegrityError:
                 continue  # another reporter created it first
         raise RuntimeError(f"could not create or find run {name!r}")
+
+    @retry_on_disconnect
+    def find_run_id(self, name: str) -> int | None:
+        """The id of the named run in this namespace, or None; writes nothing."""
+        _check_run_name(name)
+        with self._session() as session:
+            return session.scalar(self._run_id_query(name))
 
     @retry_on_disconnect
     def runs(self) -> list[RunRecord]:
