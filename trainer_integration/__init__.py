@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import tempfile
 import threading
@@ -15,8 +16,8 @@ from trainer_integration._reporter import (
     RunReporter,
     build_job_spec,
     plain_metrics,
+    pointer_bytes,
     resolve_settings,
-    write_pointer,
 )
 from validation_service.errors import InvalidInput
 
@@ -52,10 +53,13 @@ def report(
     """Reports metrics and a checkpoint; its validation runs later, elsewhere.
 
     Inside a Ray Train worker call it on every rank, as ``ray.train.report``: rank 0
-    passes the checkpoint, the others ``report({}, None)``. The checkpoint is persisted
-    to ckval's storage and registered, its validation is enqueued, and Ray Train gets
-    a pointer checkpoint so ``Result.checkpoints`` still lists it. Outside Ray Train,
-    call ``start_run(name)`` first. Returns without waiting for validation.
+    passes the checkpoint, the others ``report({}, None)``. The checkpoint is copied
+    into ckval's storage, Ray Train gets a pointer checkpoint so ``Result.checkpoints``
+    still lists it, and the checkpoint is registered and its validation enqueued on a
+    background thread right after, so that training goes on meanwhile (a failure to
+    register is raised by the next report() as ReportNotDelivered). Outside Ray Train,
+    call ``start_run(name)`` first; there report() returns once it is registered.
+    Returns without waiting for validation.
 
     ``timeout_s`` bounds one validation attempt (its Ray task is cancelled, the job
     TIMED_OUT, or retried when ``retry_on_timeout``). ``coalesce="latest"`` skips the
@@ -91,33 +95,68 @@ def report(
         ray.train.report(metrics)
         return
     run = train_context.get_experiment_name()
-    registered = None
+    storing = None
     try:
         reporter = _reporter(run)
         if checkpoint_upload_mode is CheckpointUploadMode.SYNC:
-            # ckval stores the checkpoint (the copy Ray Train would make) and registers
-            # it on a thread while Ray Train gets the pointer.
-            index, uri, registered = reporter.report_in_ray_train(metrics, checkpoint, job)
+            # ckval's copy stands in for the one Ray Train would make; it runs while
+            # Ray Train syncs the ranks, and Ray Train gets the pointer once it is done.
+            index, uri, storing = reporter.start_storing(checkpoint)
         else:
             index, uri = reporter.report(metrics, checkpoint, job, checkpoint_upload_mode)
     except Exception:
         ray.train.report(metrics)  # the other ranks are in this report too: keep in step
         raise
+    stored = None
     try:
-        _report_pointer(run, index, uri, metrics)
+        _report_pointer(run, index, uri, metrics, checkpoint, storing)
+        stored = storing.result() if storing is not None else None
     finally:
-        if registered is not None:
-            registered.result()
-    if registered is not None and job is not None:
-        reporter.nudge()
+        if stored is not None:
+            # After Ray's report, so that its work does not hold training up.
+            reporter.register_in_background(index, stored, metrics, job)
 
 
-def _report_pointer(run: str, index: int, uri: str, metrics: dict) -> None:
+def _report_pointer(run: str, index: int, uri: str, metrics: dict, checkpoint, storing) -> None:
+    """ray.train.report() with a pointer to the stored checkpoint in place of its files.
+
+    ``storing`` (a future, or None when the checkpoint is stored already) is waited for
+    before the pointer is written; if storing failed, Ray Train's report fails as it
+    does when its own upload fails.
+    """
     import ray.train
 
-    with tempfile.TemporaryDirectory(prefix="ckval-pointer-") as pointer_dir:
-        write_pointer(pointer_dir, run, index, uri)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(pointer_dir))
+    def stored() -> None:
+        if storing is not None:
+            storing.result()
+
+    try:
+        storage = ray.train.get_context().get_storage()
+    except NotImplementedError:  # Ray Train's local mode has no storage context
+        stored()
+        with tempfile.TemporaryDirectory(prefix="ckval-pointer-") as pointer_dir:
+            with open(os.path.join(pointer_dir, POINTER_FILE), "wb") as f:
+                f.write(pointer_bytes(run, index, uri))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(pointer_dir))
+        return
+
+    def write_pointer(_checkpoint, checkpoint_dir_name: str):
+        # Called by Ray Train in place of copying the checkpoint's files, which ckval
+        # stores: Ray Train's copy is the pointer alone.
+        stored()
+        path = storage.build_checkpoint_path_from_name(checkpoint_dir_name)
+        filesystem = storage.storage_filesystem
+        filesystem.create_dir(path)
+        with filesystem.open_output_stream(f"{path}/{POINTER_FILE}") as f:
+            f.write(pointer_bytes(run, index, uri))
+        return ray.train.Checkpoint(filesystem=filesystem, path=path)
+
+    ray.train.report(
+        metrics,
+        checkpoint=checkpoint,
+        checkpoint_upload_fn=write_pointer,
+        delete_local_checkpoint_after_upload=False,
+    )
 
 
 def resolve_checkpoint(checkpoint):
@@ -127,7 +166,6 @@ def resolve_checkpoint(checkpoint):
     A checkpoint that is no pointer is returned unchanged.
     """
     import json
-    import os
 
     from validation_service.storage import ray_checkpoint
 

@@ -20,7 +20,7 @@ import cloudpickle
 from sqlalchemy.exc import DBAPIError
 
 from validation_service.config import Settings, get_settings
-from validation_service.errors import CkvalError, InvalidInput
+from validation_service.errors import CheckpointNotFound, CkvalError, InvalidInput
 from validation_service.executors._run import import_validate_fn
 from validation_service.jobs import ExecutorKind
 from validation_service.metrics import normalize_metrics, to_plain
@@ -189,9 +189,9 @@ class RunReporter:
         self._start_service = start_service
         self._service = None
         self._nudger: _Nudger | None = None
-        self._registering: ThreadPoolExecutor | None = None
         self._background: ThreadPoolExecutor | None = None
         self._pending: list[tuple[int, Future]] = []
+        self._pending_lock = threading.Lock()
 
     @property
     def run_id(self) -> int:
@@ -210,32 +210,20 @@ class RunReporter:
     def prepare(self) -> None:
         """Gets ready for a first report while training starts; writes nothing.
 
-        Starts the registration thread and looks the running service up for nudges
+        Starts the background threads and looks the running service up for nudges
         (never starts one).
         """
-        self._registration_thread().submit(lambda: None).result()
+        self._background_threads().submit(lambda: None).result()
         if self._start_service and self._service is None:
             from validation_service.service import ValidationService
 
             self._service = ValidationService.get(self.settings)
-
-    def _registration_thread(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._registering is None:
-                self._registering = ThreadPoolExecutor(1, thread_name_prefix="ckval-register")
-            return self._registering
 
     def reserve_index(self) -> int:
         with self._lock:
             index = self._next_index
             self._next_index += 1
             return index
-
-    def _release_index(self, index: int) -> None:
-        """Gives back an index whose checkpoint was never stored, if none came after it."""
-        with self._lock:
-            if self._next_index == index + 1:
-                self._next_index = index
 
     def persist(self, checkpoint, mode: CheckpointUploadMode, index: int) -> PersistedCheckpoint:
         if mode is CheckpointUploadMode.NO_UPLOAD:
@@ -253,8 +241,6 @@ class RunReporter:
         persisted: PersistedCheckpoint,
         metrics: dict[str, Any],
         job: JobSpec | None,
-        *,
-        nudge: bool = True,
     ):
         registration = self.registry.register_checkpoint(
             self.run_id,
@@ -267,7 +253,7 @@ class RunReporter:
             epoch=_int_or_none(metrics.get("epoch")),
             job=job,
         )
-        if job is not None and nudge:
+        if job is not None:
             self.nudge()
         return registration
 
@@ -291,28 +277,36 @@ class RunReporter:
             return index, self._upload_uri(index)
         return index, self._persist_and_register(metrics, checkpoint, job, mode, index)
 
-    def report_in_ray_train(
-        self, metrics: dict[str, Any], checkpoint, job: JobSpec | None
-    ) -> tuple[int, str, Future]:
-        """A SYNC report inside Ray Train: stores now, registers on a thread meanwhile.
+    def start_storing(self, checkpoint) -> tuple[int, str, Future]:
+        """Starts copying a checkpoint into storage on a background thread (SYNC).
 
-        The checkpoint is in storage when this returns (training may then delete its
-        folder). Its registration runs on a thread while the caller hands Ray Train the
-        pointer; the returned future ends once it is registered, raising what
-        registering raised. It does not nudge the service: the caller does that after
-        Ray's report, so that the nudge does not compete with it.
+        Returns its report index, the URI it will have and a future of the stored
+        checkpoint, so that the caller can enter Ray Train's report meanwhile; training
+        may delete the checkpoint's folder once the future is done. A checkpoint that
+        is not a folder is refused here, before anything starts. Raises
+        ReportNotDelivered first if an earlier report could not be delivered.
         """
+        import pyarrow.fs
+
         self.raise_undelivered()
+        info = checkpoint.filesystem.get_file_info(checkpoint.path)
+        if info.type != pyarrow.fs.FileType.Directory:
+            raise CheckpointNotFound(checkpoint.path, "the reported checkpoint is not a folder")
         index = self.reserve_index()
-        try:
-            persisted = self.persist(checkpoint, CheckpointUploadMode.SYNC, index)
-        except BaseException:
-            self._release_index(index)
-            raise
-        future = self._registration_thread().submit(
-            self._register_or_deliver, index, persisted, metrics, job, nudge=False
+        storing = self._background_threads().submit(
+            self.persist, checkpoint, CheckpointUploadMode.SYNC, index
         )
-        return index, persisted.uri, future
+        return index, self._upload_uri(index), storing
+
+    def register_in_background(
+        self, index: int, persisted: PersistedCheckpoint, metrics, job: JobSpec | None
+    ) -> None:
+        """Registers a stored checkpoint and enqueues its validation on a background thread.
+
+        A failure is raised by the next report (ReportNotDelivered) and by flush(), and
+        logged at exit, as for ASYNC uploads.
+        """
+        self._in_background(index, self._register_or_deliver, index, persisted, metrics, job)
 
     def _upload_uri(self, index: int) -> str:
         """Where an upload of this report goes (known before it starts)."""
@@ -327,10 +321,10 @@ class RunReporter:
         return persisted.uri
 
     def _register_or_deliver(
-        self, index: int, persisted: PersistedCheckpoint, metrics, job, *, nudge: bool = True
+        self, index: int, persisted: PersistedCheckpoint, metrics, job
     ) -> None:
         try:
-            self.register(index, persisted, metrics, job, nudge=nudge)
+            self.register(index, persisted, metrics, job)
         except DBAPIError as exc:
             # The checkpoint is stored; the registry is unreachable for the moment.
             logger.warning(
@@ -342,10 +336,16 @@ class RunReporter:
             self._in_background(index, self._deliver, index, persisted, metrics, job)
 
     def _in_background(self, index: int, fn, *args) -> None:
-        if self._background is None:
-            self._background = ThreadPoolExecutor(2, thread_name_prefix="ckval-report")
-            atexit.register(self._flush_at_exit)
-        self._pending.append((index, self._background.submit(fn, *args)))
+        future = self._background_threads().submit(fn, *args)
+        with self._pending_lock:
+            self._pending.append((index, future))
+
+    def _background_threads(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._background is None:
+                self._background = ThreadPoolExecutor(2, thread_name_prefix="ckval-report")
+                atexit.register(self._flush_at_exit)
+            return self._background
 
     def _upload_then_register(self, local: str, index: int, metrics, job) -> None:
         try:
@@ -371,19 +371,22 @@ class RunReporter:
     def raise_undelivered(self) -> None:
         """Raises ReportNotDelivered for background reports that failed for good."""
         failed = []
-        still_pending = []
-        for index, future in self._pending:
-            if not future.done():
-                still_pending.append((index, future))
-            elif future.exception() is not None:
-                failed.append((index, future.exception()))
-        self._pending = still_pending
+        with self._pending_lock:
+            still_pending = []
+            for index, future in self._pending:
+                if not future.done():
+                    still_pending.append((index, future))
+                elif future.exception() is not None:
+                    failed.append((index, future.exception()))
+            self._pending = still_pending
         if failed:
             raise ReportNotDelivered(self.run, failed)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Waits for background uploads and deliveries; raises if one failed."""
-        for _, future in list(self._pending):
+        with self._pending_lock:
+            pending = list(self._pending)
+        for _, future in pending:
             try:
                 future.result(timeout=timeout_s)
             except Exception:  # noqa: BLE001 - collected and raised below
@@ -482,9 +485,9 @@ def resolve_settings() -> Settings:
     return settings
 
 
-def write_pointer(directory: str, run: str, index: int, uri: str) -> None:
-    with open(os.path.join(directory, POINTER_FILE), "w") as f:
-        json.dump({"run": run, "report_index": index, "uri": uri}, f)
+def pointer_bytes(run: str, index: int, uri: str) -> bytes:
+    """The content of the pointer checkpoint that Ray Train keeps in place of the stored one."""
+    return json.dumps({"run": run, "report_index": index, "uri": uri}).encode()
 
 
 def plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
