@@ -107,28 +107,29 @@ def report(
     except Exception:
         ray.train.report(metrics)  # the other ranks are in this report too: keep in step
         raise
-    stored = None
+    registering = []
+
+    def register_once() -> None:
+        # Once the copy is done, the checkpoint is registered (and its validation
+        # enqueued) on a background thread while Ray Train finishes its report.
+        if storing is not None and not registering:
+            registering.append(True)
+            reporter.register_in_background(index, storing.result(), metrics, job)
+
     try:
-        _report_pointer(run, index, uri, metrics, checkpoint, storing)
-        stored = storing.result() if storing is not None else None
+        _report_pointer(run, index, uri, metrics, checkpoint, register_once)
     finally:
-        if stored is not None:
-            # After Ray's report, so that its work does not hold training up.
-            reporter.register_in_background(index, stored, metrics, job)
+        register_once()  # Ray Train skipped the report, or the pointer failed: stored still
 
 
-def _report_pointer(run: str, index: int, uri: str, metrics: dict, checkpoint, storing) -> None:
+def _report_pointer(run: str, index: int, uri: str, metrics: dict, checkpoint, stored) -> None:
     """ray.train.report() with a pointer to the stored checkpoint in place of its files.
 
-    ``storing`` (a future, or None when the checkpoint is stored already) is waited for
-    before the pointer is written; if storing failed, Ray Train's report fails as it
-    does when its own upload fails.
+    ``stored()`` waits until the checkpoint is stored; it is called before the pointer
+    is written. If storing failed, Ray Train's report fails as it does when its own
+    upload fails.
     """
     import ray.train
-
-    def stored() -> None:
-        if storing is not None:
-            storing.result()
 
     try:
         storage = ray.train.get_context().get_storage()
