@@ -215,3 +215,31 @@ def test_a_checkpoint_that_cannot_be_stored_raises_on_rank_0_and_training_goes_o
     assert [(r.report_index, r.reported_metrics["step"]) for r in records] == [(0, 1)]
     assert records[0].validation_status == "VALIDATED"
     assert [m["step"] for _, m in result.best_checkpoints] == [1]
+
+
+def test_ray_train_local_mode_gets_the_stored_checkpoint(service, session_home, unique_run):
+    """num_workers=0 runs the loop in this process, and Ray Train copies nothing."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    def one_report():
+        import ray.train
+
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.save(make_model().state_dict(), os.path.join(tmp, "model.pt"))
+            report(
+                {"step": 0}, ray.train.Checkpoint.from_directory(tmp), validate_fn=validate_digits
+            )
+
+    result = TorchTrainer(
+        one_report,
+        scaling_config=ScalingConfig(num_workers=0),
+        run_config=RunConfig(name=unique_run, storage_path=str(session_home / "ray_results")),
+    ).fit()
+    registry = Registry()
+    registry.wait(unique_run, timeout_s=120)
+    [record] = registry.checkpoints(unique_run)
+    assert record.validation_status == "VALIDATED"
+    assert result.checkpoint.path == record.uri  # the stored files, still there
+    assert os.path.exists(os.path.join(result.checkpoint.path, "model.pt"))
+    assert resolve_checkpoint(result.checkpoint).path == record.uri

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 
@@ -133,12 +132,14 @@ def _report_pointer(run: str, index: int, uri: str, metrics: dict, checkpoint, s
 
     try:
         storage = ray.train.get_context().get_storage()
-    except NotImplementedError:  # Ray Train's local mode has no storage context
+    except NotImplementedError:
+        # Ray Train's local mode (num_workers=0) keeps the reported checkpoint as it is,
+        # copying nothing: it gets the stored checkpoint itself.
+        from validation_service.storage import ray_checkpoint
+
         stored()
-        with tempfile.TemporaryDirectory(prefix="ckval-pointer-") as pointer_dir:
-            with open(os.path.join(pointer_dir, POINTER_FILE), "wb") as f:
-                f.write(pointer_bytes(run, index, uri))
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(pointer_dir))
+        storage_options = _reporter(run).settings.storage_options
+        ray.train.report(metrics, checkpoint=ray_checkpoint(uri, storage_options))
         return
 
     def write_pointer(_checkpoint, checkpoint_dir_name: str):
