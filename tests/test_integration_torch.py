@@ -217,10 +217,17 @@ def test_a_checkpoint_that_cannot_be_stored_raises_on_rank_0_and_training_goes_o
     assert [m["step"] for _, m in result.best_checkpoints] == [1]
 
 
-def test_ray_train_local_mode_gets_the_stored_checkpoint(service, session_home, unique_run):
+def test_ray_train_local_mode_gets_the_stored_checkpoint(
+    service, session_home, unique_run, monkeypatch
+):
     """num_workers=0 runs the loop in this process, and Ray Train copies nothing."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.execution import train_fn_utils
+
+    # Local mode leaves its train context set in this process after fit(); put it back
+    # afterwards, or later report() calls here would think they run inside Ray Train.
+    monkeypatch.setattr(train_fn_utils, "_train_fn_utils", train_fn_utils._train_fn_utils)
 
     def one_report():
         import ray.train
