@@ -237,3 +237,19 @@ def test_a_validate_fn_is_pickled_once_per_process():
     assert first.validate_config != again.validate_config
     other = build_job_spec(lambda checkpoint, config: {}, None, None, 0, None, 3)
     assert other.validate_fn_pickle != first.validate_fn_pickle
+
+
+def test_storing_a_checkpoint_never_queues_behind_background_deliveries(tmp_path, unique_run):
+    """Deliveries retrying through a registry outage hold the background threads."""
+    from trainer_integration._reporter import RunReporter
+
+    reporter = RunReporter(unique_run, start_service=False)
+    outage_over = threading.Event()
+    for index in (100, 101):  # every background thread busy, as retrying deliveries are
+        reporter._in_background(index, outage_over.wait, 60)
+    try:
+        index, uri, storing = reporter.start_storing(make_checkpoint(tmp_path, 1.0))
+        assert storing.result(timeout=20).uri == uri
+    finally:
+        outage_over.set()
+    reporter.flush(timeout_s=30)

@@ -190,6 +190,7 @@ class RunReporter:
         self._service = None
         self._nudger: _Nudger | None = None
         self._background: ThreadPoolExecutor | None = None
+        self._storing: ThreadPoolExecutor | None = None
         self._pending: list[tuple[int, Future]] = []
         self._pending_lock = threading.Lock()
 
@@ -213,6 +214,7 @@ class RunReporter:
         Starts the background threads and looks the running service up for nudges
         (never starts one).
         """
+        self._storing_thread().submit(lambda: None).result()
         self._background_threads().submit(lambda: None).result()
         if self._start_service and self._service is None:
             from validation_service.service import ValidationService
@@ -293,7 +295,7 @@ class RunReporter:
         if info.type != pyarrow.fs.FileType.Directory:
             raise CheckpointNotFound(checkpoint.path, "the reported checkpoint is not a folder")
         index = self.reserve_index()
-        storing = self._background_threads().submit(
+        storing = self._storing_thread().submit(
             self.persist, checkpoint, CheckpointUploadMode.SYNC, index
         )
         return index, self._upload_uri(index), storing
@@ -339,6 +341,13 @@ class RunReporter:
         future = self._background_threads().submit(fn, *args)
         with self._pending_lock:
             self._pending.append((index, future))
+
+    def _storing_thread(self) -> ThreadPoolExecutor:
+        # Its own thread: deliveries retrying in the background never queue a copy.
+        with self._lock:
+            if self._storing is None:
+                self._storing = ThreadPoolExecutor(1, thread_name_prefix="ckval-store")
+            return self._storing
 
     def _background_threads(self) -> ThreadPoolExecutor:
         with self._lock:
