@@ -138,8 +138,10 @@ def _report_pointer(run: str, index: int, uri: str, metrics: dict, checkpoint, s
         from validation_service.storage import ray_checkpoint
 
         stored()
-        storage_options = _reporter(run).settings.storage_options
-        ray.train.report(metrics, checkpoint=ray_checkpoint(uri, storage_options))
+        reporter = _reporter(run)
+        ray.train.report(metrics, checkpoint=ray_checkpoint(uri, reporter.settings.storage_options))
+        # fit() returns as soon as the loop does, in this process: register before that.
+        reporter.flush()
         return
 
     def write_pointer(_checkpoint, checkpoint_dir_name: str):
