@@ -502,8 +502,8 @@ def render_markdown(results: list[WayResult], meta: dict[str, Any]) -> str:
         " the run); blocking = report blocked + in-loop val + final wait; validation = sum of "
         "validate_fn durations; interval = mean training time between checkpoints; first report"
         " = how long the first report() blocked (it includes one-time set-up: Ray Train's own,"
-        " and for ckval pickling validate_fn); load = the machine's 1-minute load average at the end of the run (above 2 on"
-        " 2 cores means other processes competed for the CPUs)."
+        " and for ckval pickling validate_fn); load = the machine's 1-minute load average at"
+        " the end of the run (above 2 on 2 cores means other processes competed for the CPUs)."
         + (f" Medians of {meta['repeats']} runs per row." if meta["repeats"] > 1 else ""),
         "",
     ]

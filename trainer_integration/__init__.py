@@ -116,12 +116,14 @@ def report(
             reporter.register_in_background(index, storing.result(), metrics, job)
 
     try:
-        _report_pointer(run, index, uri, metrics, checkpoint, register_once)
+        _report_pointer(reporter, index, uri, metrics, checkpoint, register_once)
     finally:
         register_once()  # Ray Train skipped the report, or the pointer failed: stored still
 
 
-def _report_pointer(run: str, index: int, uri: str, metrics: dict, checkpoint, stored) -> None:
+def _report_pointer(
+    reporter: RunReporter, index: int, uri: str, metrics: dict, checkpoint, stored
+) -> None:
     """ray.train.report() with a pointer to the stored checkpoint in place of its files.
 
     ``stored()`` waits until the checkpoint is stored; it is called before the pointer
@@ -138,7 +140,6 @@ def _report_pointer(run: str, index: int, uri: str, metrics: dict, checkpoint, s
         from validation_service.storage import ray_checkpoint
 
         stored()
-        reporter = _reporter(run)
         ray.train.report(metrics, checkpoint=ray_checkpoint(uri, reporter.settings.storage_options))
         # fit() returns as soon as the loop does, in this process: register before that.
         reporter.flush()
@@ -152,7 +153,7 @@ def _report_pointer(run: str, index: int, uri: str, metrics: dict, checkpoint, s
         filesystem = storage.storage_filesystem
         filesystem.create_dir(path)
         with filesystem.open_output_stream(f"{path}/{POINTER_FILE}") as f:
-            f.write(pointer_bytes(run, index, uri))
+            f.write(pointer_bytes(reporter.run, index, uri))
         return ray.train.Checkpoint(filesystem=filesystem, path=path)
 
     ray.train.report(
