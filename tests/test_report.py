@@ -253,3 +253,23 @@ def test_storing_a_checkpoint_never_queues_behind_background_deliveries(tmp_path
     finally:
         outage_over.set()
     reporter.flush(timeout_s=30)
+
+
+def test_a_registration_held_for_ray_trains_report_happens_even_if_it_never_returns(
+    tmp_path, unique_run
+):
+    """Ray Train holds a report while its result queue is full: the registration (and so
+    the validation) then goes ahead anyway, a moment after the checkpoint is stored."""
+    from trainer_integration._reporter import RunReporter
+
+    reporter = RunReporter(unique_run, start_service=False)
+    report_returned = threading.Event()  # never set: Ray Train still holds the report
+    index, uri, storing = reporter.start_storing(make_checkpoint(tmp_path, 1.0))
+    reporter.register_in_background(
+        index, storing.result(timeout=20), {"loss": 0.5}, None, not_before=report_returned
+    )
+    reporter.flush(timeout_s=30)
+    [record] = reporter.registry.checkpoints(unique_run)
+    assert (record.report_index, record.uri) == (index, uri)
+    assert record.reported_metrics["loss"] == 0.5
+    assert not report_returned.is_set()

@@ -107,17 +107,23 @@ def report(
         ray.train.report(metrics)  # the other ranks are in this report too: keep in step
         raise
     registering = []
+    returned = threading.Event()
 
     def register_once() -> None:
         # Once the copy is done, the checkpoint is registered (and its validation
-        # enqueued) on a background thread while Ray Train finishes its report.
+        # enqueued) on a background thread: when Ray Train's report returns, so as not
+        # to compete with its end, or HOLD_REGISTRATION_S after the copy if Ray Train
+        # still holds the report (its result queue is full), so as not to wait for it.
         if storing is not None and not registering:
             registering.append(True)
-            reporter.register_in_background(index, storing.result(), metrics, job)
+            reporter.register_in_background(
+                index, storing.result(), metrics, job, not_before=returned
+            )
 
     try:
         _report_pointer(reporter, index, uri, metrics, checkpoint, register_once)
     finally:
+        returned.set()
         register_once()  # Ray Train skipped the report, or the pointer failed: stored still
 
 

@@ -30,6 +30,10 @@ from validation_service.storage import CheckpointStorage, PersistedCheckpoint
 logger = logging.getLogger(__name__)
 
 POINTER_FILE = "ckval_checkpoint.json"
+# How long a registration may wait for the end of the Ray Train report that stored its
+# checkpoint: it then no longer competes with that report for the CPU, and adds at most
+# this much to the validation's start when Ray Train holds the report for long.
+HOLD_REGISTRATION_S = 0.01
 _RESOURCE_KEYS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type"}
 
 
@@ -301,14 +305,27 @@ class RunReporter:
         return index, self._upload_uri(index), storing
 
     def register_in_background(
-        self, index: int, persisted: PersistedCheckpoint, metrics, job: JobSpec | None
+        self,
+        index: int,
+        persisted: PersistedCheckpoint,
+        metrics,
+        job: JobSpec | None,
+        *,
+        not_before: threading.Event | None = None,
     ) -> None:
         """Registers a stored checkpoint and enqueues its validation on a background thread.
 
+        The registration waits for ``not_before`` to be set, at most HOLD_REGISTRATION_S.
         A failure is raised by the next report (ReportNotDelivered) and by flush(), and
         logged at exit, as for ASYNC uploads.
         """
-        self._in_background(index, self._register_or_deliver, index, persisted, metrics, job)
+
+        def register() -> None:
+            if not_before is not None:
+                not_before.wait(HOLD_REGISTRATION_S)
+            self._register_or_deliver(index, persisted, metrics, job)
+
+        self._in_background(index, register)
 
     def _upload_uri(self, index: int) -> str:
         """Where an upload of this report goes (known before it starts)."""
