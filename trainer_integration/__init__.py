@@ -55,8 +55,9 @@ def report(
     passes the checkpoint, the others ``report({}, None)``. The checkpoint is copied
     into ckval's storage, Ray Train gets a pointer checkpoint so ``Result.checkpoints``
     still lists it, and the checkpoint is registered and its validation enqueued on a
-    background thread right after, so that training goes on meanwhile (a failure to
-    register is raised by the next report() as ReportNotDelivered). Outside Ray Train,
+    background thread when Ray Train's report returns (or HOLD_REGISTRATION_S after the
+    copy, if Ray Train holds the report longer), so that training goes on meanwhile (a
+    failure to register is raised by the next report() as ReportNotDelivered). Outside Ray Train,
     call ``start_run(name)`` first; there report() returns once it is registered.
     Returns without waiting for validation.
 
