@@ -429,6 +429,20 @@ def test_deleted_checkpoint_is_never_ranked(registry, run_id):
     assert len(registry.checkpoints("run-a", include_deleted=True)) == 2
 
 
+def test_a_checkpoint_deleted_while_it_is_validated_stays_unranked(registry, run_id):
+    deleted = register(registry, run_id, 0, {"acc": 0.9, "loss": 0.1})
+    register(registry, run_id, 1, {"acc": 0.5, "loss": 0.2}, job=False)
+    claimed = claim_one(registry)
+    registry.delete_checkpoint(deleted.checkpoint_id)
+    assert succeed(registry, claimed, {"acc": 0.99})
+    for metric, mode in (("acc", "max"), ("loss", "min")):
+        records = registry.best_checkpoint_records("run-a", metric, mode, k=5)
+        assert [r.report_index for r in records] == [1]
+    [record] = [r for r in registry.checkpoints("run-a", include_deleted=True) if r.deleted_at]
+    assert record.metrics == {"acc": 0.99, "loss": 0.1}
+    assert record.validation_status == ValidationStatus.VALIDATED.value
+
+
 def test_due_pools_lists_each_pool_with_due_work_once(registry, run_id):
     assert registry.due_pools() == []
     for index in range(5):

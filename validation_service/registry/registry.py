@@ -639,74 +639,41 @@ class Registry:
         now = utcnow()
         expires = now + dt.timedelta(seconds=lease_s)
         claimed: list[ClaimedJob] = []
-        with self._write() as session:
-            running = dict(
-                session.execute(
-                    select(ValidationJob.pool, func.count(ValidationJob.id))
-                    .where(ValidationJob.status == JobStatus.RUNNING.value)
-                    .group_by(ValidationJob.pool)
-                ).all()
-            )
-            pools = session.scalars(
-                select(ValidationJob.pool)
-                .where(
-                    ValidationJob.status == JobStatus.QUEUED.value,
-                    ValidationJob.not_before <= now,
-                )
-                .distinct()
-            ).all()
+        with self._write_connection() as conn:
+            # Core statements built once: the service claims on every tick with room.
+            running = dict(conn.execute(_RUNNING_PER_POOL).all())
+            params = {"queued": JobStatus.QUEUED.value, "now": now}
+            pools = [pool for pool, due in conn.execute(_DUE_POOLS, params) if due]
             for pool in pools:
                 free = pool_limits.get(pool, default_limit) - running.get(pool, 0)
                 free = min(free, max_jobs - len(claimed))
                 if free <= 0:
                     continue
-                ids = self._lock_due_job_ids(session, pool, now, free)
-                for job in session.scalars(
-                    select(ValidationJob)
-                    .options(selectinload(ValidationJob.checkpoint).selectinload(Checkpoint.run))
-                    .where(ValidationJob.id.in_(ids))
-                    .order_by(ValidationJob.priority.desc(), ValidationJob.id.asc())
-                ):
-                    job.status = JobStatus.RUNNING.value
-                    job.attempts += 1
-                    job.lease_token += 1
-                    job.lease_owner = owner
-                    job.lease_expires_at = expires
-                    job.updated_at = now
-                    job.started_at = job.started_at or now
-                    job.checkpoint.validation_status = ValidationStatus.RUNNING.value
-                    session.add(
-                        ValidationAttempt(
-                            job_id=job.id,
-                            attempt=job.attempts,
-                            lease_token=job.lease_token,
-                            lease_owner=owner,
-                            status=JobStatus.RUNNING.value,
-                            claimed_at=now,
-                        )
-                    )
-                    claimed.append(_claimed_job(job, expires))
+                ids = _lock_due_job_ids(conn, pool, now, free)
+                if not ids:
+                    continue
+                conn.execute(
+                    _CLAIM_JOBS,
+                    {"b_ids": ids, "b_owner": owner, "b_expires": expires, "b_now": now},
+                )
+                conn.execute(_SET_CLAIMED_CHECKPOINTS_RUNNING, {"b_ids": ids})
+                rows = conn.execute(_CLAIMED_JOBS, {"b_ids": ids}).all()
+                conn.execute(
+                    _INSERT_ATTEMPT,
+                    [
+                        {
+                            "job_id": row.job_id,
+                            "attempt": row.attempts,
+                            "lease_token": row.lease_token,
+                            "lease_owner": owner,
+                            "status": JobStatus.RUNNING.value,
+                            "claimed_at": now,
+                        }
+                        for row in rows
+                    ],
+                )
+                claimed.extend(_claimed_job(row, expires) for row in rows)
         return claimed
-
-    def _lock_due_job_ids(
-        self, session: Session, pool: str, now: dt.datetime, limit: int
-    ) -> list[int]:
-        # FOR UPDATE SKIP LOCKED lets several schedulers claim from one PostgreSQL queue
-        # without blocking on each other's rows. SQLite ignores it: there the whole
-        # transaction holds the write lock (BEGIN IMMEDIATE, see _engine.py).
-        query = (
-            select(ValidationJob.id)
-            .where(
-                ValidationJob.status == JobStatus.QUEUED.value,
-                ValidationJob.pool == pool,
-                ValidationJob.not_before <= now,
-            )
-            .order_by(ValidationJob.priority.desc(), ValidationJob.id.asc())
-            .limit(limit)
-        )
-        if session.bind.dialect.name == "postgresql":
-            query = query.with_for_update(skip_locked=True)
-        return list(session.scalars(query))
 
     @retry_on_disconnect
     def heartbeat(
@@ -778,16 +745,12 @@ class Registry:
                     finished_at=outcome.finished_at,
                 )
         now = utcnow()
-        with self._write() as session:
-            job = session.scalar(
-                select(ValidationJob)
-                .options(selectinload(ValidationJob.checkpoint))
-                .where(
-                    ValidationJob.id == job_id,
-                    ValidationJob.lease_token == lease_token,
-                    ValidationJob.status == JobStatus.RUNNING.value,
-                )
-            )
+        with self._write_connection() as conn:
+            # Core statements built once: the service finishes every validation, and the
+            # ORM's unit of work cost several ms of CPU per job here.
+            job = conn.execute(
+                _RUNNING_JOB_TO_FINISH, {"b_job_id": job_id, "b_lease_token": lease_token}
+            ).one_or_none()
             if job is None:
                 logger.warning(
                     "discarding the result of job %s with stale lease token %s",
@@ -795,40 +758,49 @@ class Registry:
                     lease_token,
                 )
                 return False
+            checkpoint_values: dict[str, Any] = {"b_checkpoint_id": job.checkpoint_id}
             if outcome.succeeded:
                 status = JobStatus.SUCCEEDED
-                self._merge_validated(session, job.checkpoint, metrics or {})
-                job.result_metrics = metrics
-                job.error_type = job.error_message = job.error_traceback = None
+                checkpoint_values.update(self._merge_validated(conn, job, metrics or {}))
+                values = {
+                    "result_metrics": metrics,
+                    "error_type": None,
+                    "error_message": None,
+                    "error_traceback": None,
+                }
             else:
                 status = self._failure_status(job, outcome)
-                job.error_type = outcome.error_type
-                job.error_message = outcome.error_message
-                job.error_traceback = outcome.error_traceback
+                values = {
+                    "error_type": outcome.error_type,
+                    "error_message": outcome.error_message,
+                    "error_traceback": outcome.error_traceback,
+                }
                 if status is JobStatus.QUEUED:
-                    job.not_before = now + dt.timedelta(seconds=self._backoff_s(job.attempts))
-            job.status = status.value
-            job.updated_at = now
-            job.lease_owner = None
-            job.lease_expires_at = None
-            if status.is_terminal:
-                job.finished_at = now
-            job.checkpoint.validation_status = JOB_TO_VALIDATION_STATUS[status].value
+                    values["not_before"] = now + dt.timedelta(seconds=self._backoff_s(job.attempts))
+            values.update(
+                b_job_id=job_id,
+                status=status.value,
+                updated_at=now,
+                lease_owner=None,
+                lease_expires_at=None,
+                finished_at=now if status.is_terminal else None,
+            )
+            conn.execute(_UPDATE_JOB, values)
+            checkpoint_values["validation_status"] = JOB_TO_VALIDATION_STATUS[status].value
+            conn.execute(_UPDATE_CHECKPOINT, checkpoint_values)
             attempt_status = status if status.is_terminal else JobStatus.FAILED
-            session.execute(
-                update(ValidationAttempt)
-                .where(
-                    ValidationAttempt.job_id == job_id,
-                    ValidationAttempt.lease_token == lease_token,
-                )
-                .values(
-                    status=attempt_status.value,
-                    node_id=outcome.node_id,
-                    worker_pid=outcome.worker_pid,
-                    started_at=outcome.started_at,
-                    finished_at=outcome.finished_at or now,
-                    error_message=None if outcome.succeeded else outcome.error_message,
-                )
+            conn.execute(
+                _FINISH_ATTEMPT,
+                {
+                    "b_job_id": job_id,
+                    "b_lease_token": lease_token,
+                    "status": attempt_status.value,
+                    "node_id": outcome.node_id,
+                    "worker_pid": outcome.worker_pid,
+                    "started_at": outcome.started_at,
+                    "finished_at": outcome.finished_at or now,
+                    "error_message": None if outcome.succeeded else outcome.error_message,
+                },
             )
             return True
 
@@ -843,34 +815,30 @@ class Registry:
         base = self.settings.retry_backoff_s * 2 ** max(attempts - 1, 0)
         return min(base, self.settings.retry_backoff_max_s) * random.uniform(0.5, 1.0)
 
-    def _merge_validated(
-        self, session: Session, checkpoint: Checkpoint, validated: dict[str, Any]
-    ) -> None:
-        checkpoint.validated_metrics = validated
-        checkpoint.metrics = {**checkpoint.reported_metrics, **validated}
+    def _merge_validated(self, conn: Connection, job, validated: dict[str, Any]) -> dict:
+        """Ranks a job's validated metrics (``job``: a _RUNNING_JOB_TO_FINISH row); returns
+        the checkpoint's new metric columns for the caller to set."""
         # Re-validation replaces the earlier validated values instead of adding to them.
-        session.execute(
-            delete(MetricValue).where(
-                MetricValue.checkpoint_id == checkpoint.id,
-                MetricValue.source == MetricSource.VALIDATED.value,
-            )
+        conn.execute(_DELETE_VALIDATED_VALUES, {"b_checkpoint_id": job.checkpoint_id})
+        # A validated value hides the reported one of the same name; a checkpoint deleted
+        # while it was validated stays out of every ranking.
+        if job.deleted_at is not None:
+            effective = False
+        elif validated:
+            effective = MetricValue.name.not_in(list(validated))
+        else:
+            effective = True
+        conn.execute(
+            update(MetricValue.__table__)
+            .where(MetricValue.__table__.c.checkpoint_id == job.checkpoint_id)
+            .values(effective=effective)
         )
-        session.execute(
-            update(MetricValue)
-            .where(MetricValue.checkpoint_id == checkpoint.id)
-            .values(effective=MetricValue.name.not_in(list(validated)) if validated else True)
-        )
-        session.add_all(
-            MetricValue(
-                checkpoint_id=checkpoint.id,
-                run_id=checkpoint.run_id,
-                name=name,
-                source=MetricSource.VALIDATED.value,
-                value=value,
-                effective=checkpoint.deleted_at is None,
-            )
-            for name, value in rankable(validated).items()
-        )
+        values = _metric_rows(job.checkpoint_id, job.run_id, validated, MetricSource.VALIDATED)
+        if job.deleted_at is not None:
+            values = [{**value, "effective": False} for value in values]
+        if values:
+            conn.execute(_INSERT_METRIC_VALUE, values)
+        return {"validated_metrics": validated, "metrics": {**job.reported_metrics, **validated}}
 
     @retry_on_disconnect
     def requeue_expired(self, now: dt.datetime | None = None) -> list[int]:
@@ -1063,6 +1031,96 @@ _DUE_POOLS = text(
     FROM queued WHERE pool IS NOT NULL
     """
 ).bindparams(bindparam("now", type_=ValidationJob.__table__.c.not_before.type))
+_jobs, _checkpoints, _attempts = (
+    ValidationJob.__table__,
+    Checkpoint.__table__,
+    ValidationAttempt.__table__,
+)
+# finish_job's statements (parameters prefixed "b_" bind the WHERE clauses; the others
+# are the columns set).
+_RUNNING_JOB_TO_FINISH = (
+    select(
+        _jobs.c.checkpoint_id,
+        _jobs.c.run_id,
+        _jobs.c.attempts,
+        _jobs.c.attempts_before_retry,
+        _jobs.c.max_attempts,
+        _jobs.c.retry_on_timeout,
+        _checkpoints.c.reported_metrics,
+        _checkpoints.c.deleted_at,
+    )
+    .join(_checkpoints, _checkpoints.c.id == _jobs.c.checkpoint_id)
+    .where(
+        _jobs.c.id == bindparam("b_job_id"),
+        _jobs.c.lease_token == bindparam("b_lease_token"),
+        _jobs.c.status == JobStatus.RUNNING.value,
+    )
+)
+_UPDATE_JOB = update(_jobs).where(_jobs.c.id == bindparam("b_job_id"))
+# claim_due_jobs' statements ("b_ids": the claimed job ids).
+_RUNNING_PER_POOL = (
+    select(_jobs.c.pool, func.count(_jobs.c.id))
+    .where(_jobs.c.status == JobStatus.RUNNING.value)
+    .group_by(_jobs.c.pool)
+)
+_CLAIMED_IDS = _jobs.c.id.in_(bindparam("b_ids", expanding=True))
+_CLAIM_JOBS = (
+    update(_jobs)
+    .where(_CLAIMED_IDS)
+    .values(
+        status=JobStatus.RUNNING.value,
+        attempts=_jobs.c.attempts + 1,
+        lease_token=_jobs.c.lease_token + 1,
+        lease_owner=bindparam("b_owner"),
+        lease_expires_at=bindparam("b_expires", type_=_jobs.c.lease_expires_at.type),
+        updated_at=bindparam("b_now", type_=_jobs.c.updated_at.type),
+        started_at=func.coalesce(
+            _jobs.c.started_at, bindparam("b_now", type_=_jobs.c.started_at.type)
+        ),
+    )
+)
+_SET_CLAIMED_CHECKPOINTS_RUNNING = (
+    update(_checkpoints)
+    .where(_checkpoints.c.id.in_(select(_jobs.c.checkpoint_id).where(_CLAIMED_IDS)))
+    .values(validation_status=ValidationStatus.RUNNING.value)
+)
+_CLAIMED_JOBS = (
+    select(
+        _jobs.c.id.label("job_id"),
+        _jobs.c.lease_token,
+        _jobs.c.attempts,
+        _jobs.c.max_attempts,
+        _jobs.c.validate_fn_ref,
+        _jobs.c.validate_fn_pickle,
+        _jobs.c.validate_config,
+        _jobs.c.executor_kind,
+        _jobs.c.resources,
+        _jobs.c.pool,
+        _jobs.c.timeout_s,
+        _checkpoints.c.id.label("checkpoint_id"),
+        _checkpoints.c.report_index,
+        _checkpoints.c.uri,
+        _checkpoints.c.manifest_sha256,
+        _checkpoints.c.reported_metrics,
+        Run.__table__.c.name.label("run"),
+        Run.__table__.c.namespace,
+        Run.__table__.c.storage_root,
+    )
+    .join(_checkpoints, _checkpoints.c.id == _jobs.c.checkpoint_id)
+    .join(Run.__table__, Run.__table__.c.id == _checkpoints.c.run_id)
+    .where(_CLAIMED_IDS)
+    .order_by(_jobs.c.priority.desc(), _jobs.c.id.asc())
+)
+_INSERT_ATTEMPT = insert(_attempts)
+_UPDATE_CHECKPOINT = update(_checkpoints).where(_checkpoints.c.id == bindparam("b_checkpoint_id"))
+_DELETE_VALIDATED_VALUES = delete(MetricValue.__table__).where(
+    MetricValue.__table__.c.checkpoint_id == bindparam("b_checkpoint_id"),
+    MetricValue.__table__.c.source == MetricSource.VALIDATED.value,
+)
+_FINISH_ATTEMPT = update(_attempts).where(
+    _attempts.c.job_id == bindparam("b_job_id"),
+    _attempts.c.lease_token == bindparam("b_lease_token"),
+)
 _METRIC_VALUE_COLUMNS = ("checkpoint_id", "run_id", "name", "source", "value", "effective")
 
 
@@ -1325,27 +1383,46 @@ def _job_record(job: ValidationJob, run: str, report_index: int) -> JobRecord:
     )
 
 
-def _claimed_job(job: ValidationJob, expires: dt.datetime) -> ClaimedJob:
-    checkpoint = job.checkpoint
+def _lock_due_job_ids(conn: Connection, pool: str, now: dt.datetime, limit: int) -> list[int]:
+    # FOR UPDATE SKIP LOCKED lets several schedulers claim from one PostgreSQL queue
+    # without blocking on each other's rows. SQLite ignores it: there the whole
+    # transaction holds the write lock (BEGIN IMMEDIATE, see _engine.py).
+    query = (
+        select(_jobs.c.id)
+        .where(
+            _jobs.c.status == JobStatus.QUEUED.value,
+            _jobs.c.pool == pool,
+            _jobs.c.not_before <= now,
+        )
+        .order_by(_jobs.c.priority.desc(), _jobs.c.id.asc())
+        .limit(limit)
+    )
+    if conn.dialect.name == "postgresql":
+        query = query.with_for_update(skip_locked=True)
+    return list(conn.execute(query).scalars())
+
+
+def _claimed_job(row, expires: dt.datetime) -> ClaimedJob:
+    """A _CLAIMED_JOBS row, as the executor gets it."""
     return ClaimedJob(
-        job_id=job.id,
-        lease_token=job.lease_token,
-        attempt=job.attempts,
-        max_attempts=job.max_attempts,
-        run=checkpoint.run.name,
-        namespace=checkpoint.run.namespace,
-        checkpoint_id=checkpoint.id,
-        report_index=checkpoint.report_index,
-        uri=checkpoint.uri,
-        storage_root=checkpoint.run.storage_root,
-        manifest_sha256=checkpoint.manifest_sha256,
-        reported_metrics=checkpoint.reported_metrics,
-        validate_fn_ref=job.validate_fn_ref,
-        validate_fn_pickle=job.validate_fn_pickle,
-        validate_config=job.validate_config,
-        executor_kind=job.executor_kind,
-        resources=job.resources,
-        pool=job.pool,
-        timeout_s=job.timeout_s,
+        job_id=row.job_id,
+        lease_token=row.lease_token,
+        attempt=row.attempts,
+        max_attempts=row.max_attempts,
+        run=row.run,
+        namespace=row.namespace,
+        checkpoint_id=row.checkpoint_id,
+        report_index=row.report_index,
+        uri=row.uri,
+        storage_root=row.storage_root,
+        manifest_sha256=row.manifest_sha256,
+        reported_metrics=row.reported_metrics,
+        validate_fn_ref=row.validate_fn_ref,
+        validate_fn_pickle=row.validate_fn_pickle,
+        validate_config=row.validate_config,
+        executor_kind=row.executor_kind,
+        resources=row.resources,
+        pool=row.pool,
+        timeout_s=row.timeout_s,
         lease_expires_at=expires,
     )
