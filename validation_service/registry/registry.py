@@ -609,9 +609,8 @@ class Registry:
         index scan visits one index entry per pool (a recursive MIN(pool) > previous),
         then looks for a due job within each of those pools.
         """
-        params = {"queued": JobStatus.QUEUED.value, "now": now or utcnow()}
         with self._session() as session:
-            return [pool for pool, due in session.execute(_DUE_POOLS, params) if due]
+            return _due_pools(session, now or utcnow())
 
     def next_due_at(self) -> dt.datetime | None:
         with self._session() as session:
@@ -642,9 +641,7 @@ class Registry:
         with self._write_connection() as conn:
             # Core statements built once: the service claims on every tick with room.
             running = dict(conn.execute(_RUNNING_PER_POOL).all())
-            params = {"queued": JobStatus.QUEUED.value, "now": now}
-            pools = [pool for pool, due in conn.execute(_DUE_POOLS, params) if due]
-            for pool in pools:
+            for pool in _due_pools(conn, now):
                 free = pool_limits.get(pool, default_limit) - running.get(pool, 0)
                 free = min(free, max_jobs - len(claimed))
                 if free <= 0:
@@ -822,7 +819,8 @@ class Registry:
         conn.execute(_DELETE_VALIDATED_VALUES, {"b_checkpoint_id": job.checkpoint_id})
         # A validated value hides the reported one of the same name; a checkpoint deleted
         # while it was validated stays out of every ranking.
-        if job.deleted_at is not None:
+        ranked = job.deleted_at is None
+        if not ranked:
             effective = False
         elif validated:
             effective = MetricValue.name.not_in(list(validated))
@@ -833,9 +831,9 @@ class Registry:
             .where(MetricValue.__table__.c.checkpoint_id == job.checkpoint_id)
             .values(effective=effective)
         )
-        values = _metric_rows(job.checkpoint_id, job.run_id, validated, MetricSource.VALIDATED)
-        if job.deleted_at is not None:
-            values = [{**value, "effective": False} for value in values]
+        values = _metric_rows(
+            job.checkpoint_id, job.run_id, validated, MetricSource.VALIDATED, effective=ranked
+        )
         if values:
             conn.execute(_INSERT_METRIC_VALUE, values)
         return {"validated_metrics": validated, "metrics": {**job.reported_metrics, **validated}}
@@ -1057,6 +1055,15 @@ _RUNNING_JOB_TO_FINISH = (
     )
 )
 _UPDATE_JOB = update(_jobs).where(_jobs.c.id == bindparam("b_job_id"))
+_UPDATE_CHECKPOINT = update(_checkpoints).where(_checkpoints.c.id == bindparam("b_checkpoint_id"))
+_DELETE_VALIDATED_VALUES = delete(MetricValue.__table__).where(
+    MetricValue.__table__.c.checkpoint_id == bindparam("b_checkpoint_id"),
+    MetricValue.__table__.c.source == MetricSource.VALIDATED.value,
+)
+_FINISH_ATTEMPT = update(_attempts).where(
+    _attempts.c.job_id == bindparam("b_job_id"),
+    _attempts.c.lease_token == bindparam("b_lease_token"),
+)
 # claim_due_jobs' statements ("b_ids": the claimed job ids).
 _RUNNING_PER_POOL = (
     select(_jobs.c.pool, func.count(_jobs.c.id))
@@ -1112,15 +1119,6 @@ _CLAIMED_JOBS = (
     .order_by(_jobs.c.priority.desc(), _jobs.c.id.asc())
 )
 _INSERT_ATTEMPT = insert(_attempts)
-_UPDATE_CHECKPOINT = update(_checkpoints).where(_checkpoints.c.id == bindparam("b_checkpoint_id"))
-_DELETE_VALIDATED_VALUES = delete(MetricValue.__table__).where(
-    MetricValue.__table__.c.checkpoint_id == bindparam("b_checkpoint_id"),
-    MetricValue.__table__.c.source == MetricSource.VALIDATED.value,
-)
-_FINISH_ATTEMPT = update(_attempts).where(
-    _attempts.c.job_id == bindparam("b_job_id"),
-    _attempts.c.lease_token == bindparam("b_lease_token"),
-)
 _METRIC_VALUE_COLUMNS = ("checkpoint_id", "run_id", "name", "source", "value", "effective")
 
 
@@ -1281,7 +1279,12 @@ def _job_row(
 
 
 def _metric_rows(
-    checkpoint_id: int, run_id: int, metrics: dict[str, Any], source: MetricSource
+    checkpoint_id: int,
+    run_id: int,
+    metrics: dict[str, Any],
+    source: MetricSource,
+    *,
+    effective: bool = True,
 ) -> list[dict[str, Any]]:
     return [
         {
@@ -1290,7 +1293,7 @@ def _metric_rows(
             "name": name,
             "source": source.value,
             "value": value,
-            "effective": True,
+            "effective": effective,
         }
         for name, value in rankable(metrics).items()
     ]
@@ -1381,6 +1384,11 @@ def _job_record(job: ValidationJob, run: str, report_index: int) -> JobRecord:
             for a in job.attempt_rows
         ),
     )
+
+
+def _due_pools(conn: Connection | Session, now: dt.datetime) -> list[str]:
+    params = {"queued": JobStatus.QUEUED.value, "now": now}
+    return [pool for pool, due in conn.execute(_DUE_POOLS, params) if due]
 
 
 def _lock_due_job_ids(conn: Connection, pool: str, now: dt.datetime, limit: int) -> list[int]:
