@@ -189,10 +189,15 @@ def resolve_checkpoint(checkpoint):
             return ray_checkpoint(json.load(f)["uri"], resolve_settings().storage_options)
 
 
-def start_run(name: str) -> Client:
-    """Names the run that report() outside Ray Train records into; returns its Client."""
+def start_run(name: str, *, start_service: bool = True) -> Client:
+    """Names the run that report() outside Ray Train records into; returns its Client.
+
+    ``start_service=False`` never connects to Ray from this process: the service, running
+    elsewhere, finds the reported validations by polling the registry (within
+    CKVAL_POLL_INTERVAL_S). For processes that have no Ray of their own (Dask workers).
+    """
     global _current_run
-    client = Client(name)
+    client = Client(name, start_service=start_service)
     _current_run = name
     return client
 
@@ -200,9 +205,9 @@ def start_run(name: str) -> Client:
 class Client:
     """Reports checkpoints of one run from any Python process (no Ray Train needed)."""
 
-    def __init__(self, run: str, settings=None):
+    def __init__(self, run: str, settings=None, *, start_service: bool = True):
         self.run = run
-        self._reporter = _reporter(run, settings)
+        self._reporter = _reporter(run, settings, start_service=start_service)
         self._reporter.ensure_run()
 
     @property
@@ -290,11 +295,13 @@ def _prepare(
     return plain_metrics(metrics), job
 
 
-def _reporter(run: str, settings=None) -> RunReporter:
+def _reporter(run: str, settings=None, *, start_service: bool = True) -> RunReporter:
     with _reporters_lock:
         reporter = _reporters.get(run)
         if reporter is None:
-            reporter = _reporters[run] = RunReporter(run, settings or resolve_settings())
+            reporter = _reporters[run] = RunReporter(
+                run, settings or resolve_settings(), start_service=start_service
+            )
         return reporter
 
 
