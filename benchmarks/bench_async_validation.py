@@ -8,11 +8,15 @@ checkpoint is validated three ways, in one run of this script:
 
 - ``inline``: rank 0 validates inside the training loop, then ``ray.train.report``;
 - ``native``: ``TorchTrainer(validation_config=ValidationConfig(fn=...))`` and
-  ``ray.train.report(metrics, checkpoint, validation=True)`` (Ray Train 2.60; the
-  ``report(validate_fn=..., validate_config=...)`` of Ray's docs and release test is
-  gone, and ``fn`` is called as ``fn(checkpoint, **fn_kwargs)``);
+  ``ray.train.report(metrics, checkpoint, checkpoint_upload_mode=ASYNC, validation=True)``
+  on a ``tempfile.mkdtemp()`` folder, the call of Ray's async-validation guide (Ray Train
+  2.60: ``fn`` is called as ``fn(checkpoint, **fn_kwargs)``; Ray deletes the folder once
+  uploaded). Every rank reports in ASYNC mode;
+- ``native-sync``: the same in Ray's default SYNC mode;
 - ``ckval``: ``trainer_integration.report(..., validate_fn=..., validate_config=...)``
-  with the ckval service started with 2 concurrent CPU validations.
+  (SYNC, its default) with the ckval service started with 2 concurrent CPU validations;
+- ``ckval-async``: the same with ``checkpoint_upload_mode=ASYNC`` on a ``mkdtemp()``
+  folder, as in Ray's guide.
 
 All three use the same model, data, seeds, data order, number of checkpoints and the
 same validation function (``validate_checkpoint``): accuracy over the held-out digits
@@ -81,7 +85,9 @@ from torch import nn
 
 from validation_service.demo import load_digits_split, make_model
 
-WAYS = ("inline", "native", "ckval")
+WAYS = ("inline", "native", "native-sync", "ckval", "ckval-async")
+# ckval's ways and the native way each is held against: Ray's guide calls ASYNC.
+COMPARED = {"ckval": "native", "ckval-async": "native"}
 SCENARIOS = {"backlog": 0.5, "no-backlog": 3.0}  # checkpoint interval / validation time
 SEED = 0
 LR = 0.1
@@ -150,7 +156,7 @@ def train_func(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    if config["way"] == "ckval":
+    if config["way"].startswith("ckval"):
         # Where a training script imports it, at the top: rank 0 sets its reporter up
         # while training starts.
         import trainer_integration  # noqa: F401
@@ -212,28 +218,41 @@ def _report(config: dict, rank: int, model: nn.Module, metrics: dict, timings: d
     import ray.train
 
     way = config["way"]
+    asynchronous = way in ("native", "ckval-async")
+    mode = "ASYNC" if asynchronous else "SYNC"
     if rank != 0:
-        if way == "ckval":
+        if way.startswith("ckval"):
             from trainer_integration import report
 
             report({}, None)
         else:
-            ray.train.report({}, None)
+            ray.train.report({}, None, checkpoint_upload_mode=ray.train.CheckpointUploadMode[mode])
         return
-    with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as directory:
+    # ASYNC keeps the folder until the upload is done, and then deletes it (Ray's guide):
+    # a folder of its own per report. SYNC may drop it when report() returns.
+    directory = tempfile.mkdtemp(prefix="bench-ckpt-")
+    try:
         module = model.module if hasattr(model, "module") else model
         torch.save(module.state_dict(), os.path.join(directory, "model.pt"))
+        if config.get("checkpoint_mb"):
+            with open(os.path.join(directory, "padding.bin"), "wb") as f:
+                f.write(os.urandom(int(config["checkpoint_mb"] * 2**20)))
         checkpoint = ray.train.Checkpoint.from_directory(directory)
         if way == "inline":
             validated = validate_checkpoint(checkpoint, **config["validate_kwargs"])
             timings["inline_validation_s"].append(validated["validation_time"])
             started = time.perf_counter()
             ray.train.report({**metrics, **validated}, checkpoint=checkpoint)
-        elif way == "native":
+        elif way.startswith("native"):
             started = time.perf_counter()
-            ray.train.report(metrics, checkpoint=checkpoint, validation=True)
+            ray.train.report(
+                metrics,
+                checkpoint=checkpoint,
+                checkpoint_upload_mode=ray.train.CheckpointUploadMode[mode],
+                validation=True,
+            )
         else:
-            from trainer_integration import report
+            from trainer_integration import CheckpointUploadMode, report
 
             started = time.perf_counter()
             report(
@@ -242,8 +261,12 @@ def _report(config: dict, rank: int, model: nn.Module, metrics: dict, timings: d
                 validate_fn=ckval_validate_fn,
                 validate_config=config["validate_kwargs"],
                 validation_resources={"num_cpus": 1},
+                checkpoint_upload_mode=CheckpointUploadMode[mode],
             )
         timings["report_blocked_s"].append(time.perf_counter() - started)
+    finally:
+        if not asynchronous:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 # -------------------------------------------------------------------------------- runs
@@ -265,8 +288,13 @@ class WayResult:
     first_report_blocked_s: float = 0.0
     later_report_median_s: float = 0.0  # the median report() after the first
     load_1min: float = 0.0  # the machine's 1-minute load average when the run ended
+    checkpoint_mb: float = 0.0
     runs: int = 1
     detail: str = ""
+
+    @property
+    def blocked_per_report_s(self) -> float:
+        return self.report_blocked_s / max(self.checkpoints, 1)
 
     @property
     def blocking_s(self) -> float:
@@ -281,6 +309,7 @@ class Bench:
     workdir: Path
     noisy_copies: int
     service: Any = None
+    checkpoint_mb: float = 0.0  # padding added to each checkpoint (the model is ~20 KB)
 
     def trainer(self, way: str, run: str, config: dict, **kwargs):
         from ray.train import RunConfig, ScalingConfig
@@ -311,27 +340,31 @@ def run_inline(bench: Bench, scenario: str, checkpoints: int, steps: int) -> Way
     return _ray_result(bench, run, scenario, "inline", checkpoints, steps, started, result)
 
 
-def run_native(bench: Bench, scenario: str, checkpoints: int, steps: int) -> WayResult:
+def run_native(
+    bench: Bench, scenario: str, checkpoints: int, steps: int, way: str = "native"
+) -> WayResult:
     from ray.train import ValidationConfig, ValidationTaskConfig
 
-    run, config = _run_config(bench, "native", scenario, checkpoints, steps)
+    run, config = _run_config(bench, way, scenario, checkpoints, steps)
     validation_config = ValidationConfig(
         fn=native_validate_fn,
         task_config=ValidationTaskConfig(fn_kwargs=config["validate_kwargs"]),
         ray_remote_kwargs={"num_cpus": 1},
     )
     started = time.time()
-    trainer = bench.trainer("native", run, config, validation_config=validation_config)
+    trainer = bench.trainer(way, run, config, validation_config=validation_config)
     result = trainer.fit()
-    return _ray_result(bench, run, scenario, "native", checkpoints, steps, started, result)
+    return _ray_result(bench, run, scenario, way, checkpoints, steps, started, result)
 
 
-def run_ckval(bench: Bench, scenario: str, checkpoints: int, steps: int) -> WayResult:
+def run_ckval(
+    bench: Bench, scenario: str, checkpoints: int, steps: int, way: str = "ckval"
+) -> WayResult:
     from validation_service import Registry
 
-    run, config = _run_config(bench, "ckval", scenario, checkpoints, steps)
+    run, config = _run_config(bench, way, scenario, checkpoints, steps)
     started = time.time()
-    bench.trainer("ckval", run, config).fit()
+    bench.trainer(way, run, config).fit()
     registry = Registry()
     registry.wait(run, timeout_s=600)
     ended = time.time()
@@ -343,7 +376,7 @@ def run_ckval(bench: Bench, scenario: str, checkpoints: int, steps: int) -> WayR
     jobs = [j for j in registry.validations(run) if j.finished_at is not None]
     available = max((j.finished_at.timestamp() for j in jobs), default=ended)
     result = _way_result(
-        scenario, "ckval", checkpoints, steps, started, ended, timings, validated, available
+        scenario, way, checkpoints, steps, started, ended, timings, validated, available
     )
     result.detail = ckval_latency(registry.validations(run))
     return result
@@ -378,6 +411,7 @@ def _run_config(bench: Bench, way: str, scenario: str, checkpoints: int, steps: 
         "checkpoints": checkpoints,
         "steps_per_checkpoint": steps,
         "validate_kwargs": {"noisy_copies": bench.noisy_copies},
+        "checkpoint_mb": bench.checkpoint_mb,
     }
     return run, config
 
@@ -434,7 +468,13 @@ def median_result(runs: list[WayResult]) -> WayResult:
     )
 
 
-RUNNERS = {"inline": run_inline, "native": run_native, "ckval": run_ckval}
+RUNNERS = {
+    "inline": run_inline,
+    "native": run_native,
+    "native-sync": lambda *args: run_native(*args, way="native-sync"),
+    "ckval": run_ckval,
+    "ckval-async": lambda *args: run_ckval(*args, way="ckval-async"),
+}
 
 
 # ------------------------------------------------------------------------- calibration
@@ -516,15 +556,17 @@ def render_markdown(results: list[WayResult], meta: dict[str, Any]) -> str:
             f"## Scenario `{scenario}` ({SCENARIOS[scenario]:g}x the validation time "
             "between checkpoints)",
             "",
-            "| checkpoints | K steps | way | e2e (s) | report blocked (s) | first report (s) "
+            "| checkpoints | ckpt MB | K steps | way | e2e (s) | report blocked (s) "
+            "| per report (ms) | first report (s) "
             "| later reports, median (ms) | in-loop val (s) | final wait (s) | until fit() (s) "
             "| blocking (s) | validation (s) | validated | interval (s) | best accuracy | load |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in rows:
             lines.append(
-                f"| {r.checkpoints} | {r.steps_per_checkpoint} | {r.way} | {r.e2e_s:.2f} "
-                f"| {r.report_blocked_s:.3f} | {r.first_report_blocked_s:.3f} "
+                f"| {r.checkpoints} | {r.checkpoint_mb:g} | {r.steps_per_checkpoint} | {r.way} "
+                f"| {r.e2e_s:.2f} | {r.report_blocked_s:.3f} "
+                f"| {1000 * r.blocked_per_report_s:.1f} | {r.first_report_blocked_s:.3f} "
                 f"| {1000 * r.later_report_median_s:.1f} "
                 f"| {r.inline_validation_s:.2f} "
                 f"| {r.final_wait_s:.2f} | {r.until_fit_s:.2f} | {r.blocking_s:.2f} "
@@ -539,25 +581,28 @@ def render_markdown(results: list[WayResult], meta: dict[str, Any]) -> str:
 
 def ratio_table(rows: list[WayResult]) -> list[str]:
     lines = [
-        "ckval / native (below 1 is better for ckval):",
+        "ckval / native in the same run (below 1 is better for ckval); native is Ray's "
+        "ASYNC call, as in its guide:",
         "",
-        "| checkpoints | e2e | report blocked | final wait | until fit() | blocking "
-        "| final wait native (s) | final wait ckval (s) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| checkpoints | ckpt MB | ckval way | e2e | report blocked | later reports "
+        "| final wait | until fit() | blocking | final wait native (s) | final wait ckval (s) |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for n in dict.fromkeys(r.checkpoints for r in rows):
-        by_way = {r.way: r for r in rows if r.checkpoints == n}
-        native, ckval = by_way.get("native"), by_way.get("ckval")
-        if native is None or ckval is None:
-            continue
-        lines.append(
-            f"| {n} | {_ratio(ckval.e2e_s, native.e2e_s)} "
-            f"| {_ratio(ckval.report_blocked_s, native.report_blocked_s)} "
-            f"| {_ratio(ckval.final_wait_s, native.final_wait_s)} "
-            f"| {_ratio(ckval.until_fit_s, native.until_fit_s)} "
-            f"| {_ratio(ckval.blocking_s, native.blocking_s)} "
-            f"| {native.final_wait_s:.2f} | {ckval.final_wait_s:.2f} |"
-        )
+    for n, mb in dict.fromkeys((r.checkpoints, r.checkpoint_mb) for r in rows):
+        by_way = {r.way: r for r in rows if (r.checkpoints, r.checkpoint_mb) == (n, mb)}
+        for way, against in COMPARED.items():
+            ckval, native = by_way.get(way), by_way.get(against)
+            if native is None or ckval is None:
+                continue
+            lines.append(
+                f"| {n} | {mb:g} | {way} | {_ratio(ckval.e2e_s, native.e2e_s)} "
+                f"| {_ratio(ckval.report_blocked_s, native.report_blocked_s)} "
+                f"| {_ratio(ckval.later_report_median_s, native.later_report_median_s)} "
+                f"| {_ratio(ckval.final_wait_s, native.final_wait_s)} "
+                f"| {_ratio(ckval.until_fit_s, native.until_fit_s)} "
+                f"| {_ratio(ckval.blocking_s, native.blocking_s)} "
+                f"| {native.final_wait_s:.2f} | {ckval.final_wait_s:.2f} |"
+            )
     return lines
 
 
@@ -576,8 +621,8 @@ def check_results(results: list[WayResult], tolerance: float) -> list[str]:
             )
     groups: dict[tuple, list[WayResult]] = {}
     for r in results:
-        groups.setdefault((r.scenario, r.checkpoints), []).append(r)
-    for (scenario, n), rows in groups.items():
+        groups.setdefault((r.scenario, r.checkpoints, r.checkpoint_mb), []).append(r)
+    for (scenario, n, _), rows in groups.items():
         scores = [r.best_accuracy for r in rows]
         if max(scores) - min(scores) > tolerance:
             detail = ", ".join(f"{r.way}={r.best_accuracy:.4f}" for r in rows)
@@ -623,6 +668,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fix the validation cost instead of calibrating it",
     )
     parser.add_argument("--ckval-concurrency", type=int, default=2)
+    parser.add_argument(
+        "--checkpoint-mb",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="pad each checkpoint with this many MB of random bytes; several sweep (default 0)",
+    )
     parser.add_argument(
         "--repeats",
         type=int,
@@ -687,23 +739,29 @@ def main(argv: list[str] | None = None) -> int:
             # and torchmetrics before anything is measured (a long-running service's
             # steady state). Cold starts are in the first run of a --no-warmup run.
             for way in args.ways:
+                bench.checkpoint_mb = 0.0
                 print(f"warm-up: {way} (2 checkpoints, not measured) ...", flush=True)
                 RUNNERS[way](bench, "warmup", 2, max(1, round(0.5 / step_s)))
         scenarios = list(SCENARIOS) if args.scenario == "both" else [args.scenario]
         for scenario in scenarios:
             interval_s = SCENARIOS[scenario] * args.validation_seconds
             steps = args.steps_per_checkpoint or max(1, round(interval_s / step_s))
-            for checkpoints in args.checkpoints:
+            for checkpoints, checkpoint_mb in [
+                (n, mb) for n in args.checkpoints for mb in args.checkpoint_mb
+            ]:
+                bench.checkpoint_mb = checkpoint_mb
                 runs: dict[str, list[WayResult]] = {way: [] for way in args.ways}
                 for repeat in range(args.repeats):
                     # Rotate the order so no way always runs first (cold workers, load drift).
                     for way in args.ways[repeat:] + args.ways[:repeat]:
                         print(
-                            f"[{scenario}] {checkpoints} checkpoints x {steps} steps: {way} "
+                            f"[{scenario}] {checkpoints} checkpoints of +{checkpoint_mb:g} MB x "
+                            f"{steps} steps: {way} "
                             f"(run {repeat + 1}/{args.repeats}) ...",
                             flush=True,
                         )
                         result = RUNNERS[way](bench, scenario, checkpoints, steps)
+                        result.checkpoint_mb = checkpoint_mb
                         runs[way].append(result)
                         print(
                             f"  e2e {result.e2e_s:.2f}s, final wait {result.final_wait_s:.2f}s "

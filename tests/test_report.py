@@ -15,7 +15,7 @@ from ray.train import Checkpoint
 
 import trainer_integration
 from trainer_integration import CheckpointUploadMode, Client
-from validation_service.errors import InvalidInput
+from validation_service.errors import InvalidInput, RunNotFound
 from validation_service.registry.registry import Registry
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -248,28 +248,100 @@ def test_storing_a_checkpoint_never_queues_behind_background_deliveries(tmp_path
     for index in (100, 101):  # every background thread busy, as retrying deliveries are
         reporter._in_background(index, outage_over.wait, 60)
     try:
-        index, uri, storing = reporter.start_storing(make_checkpoint(tmp_path, 1.0))
-        assert storing.result(timeout=20).uri == uri
+        report = reporter.store_and_register({}, make_checkpoint(tmp_path, 1.0), None)
+        assert report.stored.result(timeout=20).uri == report.uri
+        assert not report.registered.done()  # queued behind the deliveries, not lost
     finally:
         outage_over.set()
     reporter.flush(timeout_s=30)
+    [record] = reporter.registry.checkpoints(unique_run)
+    assert record.uri == report.uri
 
 
-def test_a_registration_held_for_ray_trains_report_happens_even_if_it_never_returns(
-    tmp_path, unique_run
-):
-    """Ray Train holds a report while its result queue is full: the registration (and so
-    the validation) then goes ahead anyway, a moment after the checkpoint is stored."""
+def test_a_report_is_registered_as_soon_as_its_copy_is_done(tmp_path, unique_run):
+    """Nothing but the copy comes before the registration (Ray Train's report neither)."""
     from trainer_integration._reporter import RunReporter
 
     reporter = RunReporter(unique_run, start_service=False)
-    report_returned = threading.Event()  # never set: Ray Train still holds the report
-    index, uri, storing = reporter.start_storing(make_checkpoint(tmp_path, 1.0))
-    reporter.register_in_background(
-        index, storing.result(timeout=20), {"loss": 0.5}, None, not_before=report_returned
-    )
-    reporter.flush(timeout_s=30)
+    report = reporter.store_and_register({"loss": 0.5}, make_checkpoint(tmp_path, 1.0), None)
+    report.registered.result(timeout=30)
     [record] = reporter.registry.checkpoints(unique_run)
-    assert (record.report_index, record.uri) == (index, uri)
+    assert (record.report_index, record.uri) == (report.index, report.uri)
     assert record.reported_metrics["loss"] == 0.5
-    assert not report_returned.is_set()
+    assert (tmp_path / "ckpt-1.0").is_dir()  # kept unless asked to delete it
+
+
+def test_async_reports_delete_the_folder_once_copied_unless_told_not_to(
+    service, tmp_path, unique_run
+):
+    """As ray.train.report(checkpoint_upload_mode=ASYNC) does by default."""
+    client = Client(unique_run)
+    first = client.report(
+        {"v": 1},
+        make_checkpoint(tmp_path, 1),
+        validate_fn=read_value,
+        checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+    )
+    client.report(
+        {"v": 2},
+        make_checkpoint(tmp_path, 2),
+        checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+        delete_local_checkpoint_after_upload=False,
+    )
+    client.wait(timeout_s=120)
+    assert not (tmp_path / "ckpt-1").exists()
+    assert (tmp_path / "ckpt-2" / "value.json").exists()
+    records = {r.report_index: r for r in client.registry.checkpoints(unique_run)}
+    assert records[first].metrics["score"] == 1
+    assert sorted(records) == [first, first + 1]
+    with pytest.raises(InvalidInput, match="delete_local_checkpoint_after_upload must be"):
+        client.report({}, make_checkpoint(tmp_path, 3), delete_local_checkpoint_after_upload=1)
+    assert len(client.registry.checkpoints(unique_run)) == 2
+
+
+def test_an_async_copy_that_fails_is_raised_by_the_next_report(tmp_path, unique_run):
+    from trainer_integration import ReportNotDelivered
+    from trainer_integration._reporter import RunReporter
+    from validation_service.config import get_settings
+
+    not_a_folder = tmp_path / "storage-is-a-file"
+    not_a_folder.write_text("")
+    reporter = RunReporter(unique_run, get_settings(storage=str(not_a_folder)), start_service=False)
+    failed = reporter.store_and_register({}, make_checkpoint(tmp_path, 1.0), None)
+    with pytest.raises(OSError):
+        failed.registered.result(timeout=30)
+    with pytest.raises(ReportNotDelivered, match=r"report indices \[0\]"):
+        reporter.store_and_register({}, make_checkpoint(tmp_path, 2.0), None)
+    with pytest.raises(RunNotFound):  # nothing was registered: not even the run
+        reporter.registry.checkpoints(unique_run)
+    assert (tmp_path / "ckpt-1.0" / "value.json").exists()  # nothing of the user's lost
+
+
+def test_every_ckval_error_survives_pickling_with_its_message_and_fields():
+    """Errors raised in a Ray worker reach the driver intact (Ray pickles them)."""
+    import inspect
+    import pickle
+
+    import validation_service.errors as errors
+    from trainer_integration import ReportNotDelivered
+
+    samples = [ReportNotDelivered("run-a", [(3, ValueError("db down"))])]
+    for cls in vars(errors).values():
+        if (
+            inspect.isclass(cls)
+            and issubclass(cls, Exception)
+            and cls.__module__ == errors.__name__
+        ):
+            required = [
+                p
+                for p in inspect.signature(cls.__init__).parameters.values()
+                if p.name != "self" and p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD
+            ]
+            samples.append(cls(*[f"arg-{i}" for i in range(len(required))]))
+    assert len(samples) > 8
+    for error in samples:
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error)
+        assert str(copy) == str(error)
+        assert copy.__dict__ == error.__dict__
+    assert pickle.loads(pickle.dumps(samples[0])).report_indices == [3]

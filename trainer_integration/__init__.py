@@ -13,6 +13,7 @@ from trainer_integration._reporter import (
     CheckpointUploadMode,
     ReportNotDelivered,
     RunReporter,
+    StoredReport,
     build_job_spec,
     plain_metrics,
     pointer_bytes,
@@ -48,17 +49,21 @@ def report(
     max_attempts: int = 3,
     retry_on_timeout: bool = False,
     coalesce: str | None = None,
+    delete_local_checkpoint_after_upload: bool | None = None,
 ) -> None:
     """Reports metrics and a checkpoint; its validation runs later, elsewhere.
 
     Inside a Ray Train worker call it on every rank, as ``ray.train.report``: rank 0
     passes the checkpoint, the others ``report({}, None)``. The checkpoint is copied
-    into ckval's storage, Ray Train gets a pointer checkpoint so ``Result.checkpoints``
-    still lists it, and the checkpoint is registered and its validation enqueued on a
-    background thread when Ray Train's report returns (or HOLD_REGISTRATION_S after the
-    copy, if Ray Train holds the report longer), so that training goes on meanwhile (a
-    failure to register is raised by the next report() as ReportNotDelivered). Outside Ray Train,
-    call ``start_run(name)`` first; there report() returns once it is registered.
+    into ckval's storage, and registered with its validation enqueued as soon as the
+    copy is done; Ray Train gets a pointer checkpoint so ``Result.checkpoints`` still
+    lists it. Training never waits for Ray Train's result queue: SYNC returns once
+    ckval's copy is stored (the folder may then be deleted), ASYNC returns at once and
+    copies in the background (keep the folder: it is deleted once copied, as Ray Train
+    does, unless ``delete_local_checkpoint_after_upload=False``). A checkpoint that
+    cannot be stored fails the run, as Ray Train's failed upload does; every
+    registration is done before the worker exits. Outside Ray Train, call
+    ``start_run(name)`` first; there SYNC returns once the checkpoint is registered.
     Returns without waiting for validation.
 
     ``timeout_s`` bounds one validation attempt (its Ray task is cancelled, the job
@@ -78,6 +83,7 @@ def report(
         retry_on_timeout,
         coalesce,
     )
+    delete_local = _delete_local(checkpoint_upload_mode, delete_local_checkpoint_after_upload)
     train_context = _ray_train_context()
     if train_context is None:
         if _current_run is None:
@@ -86,56 +92,62 @@ def report(
                 "trainer_integration.start_run('my-run') first, or use Client('my-run')."
             )
         if checkpoint is not None:
-            _reporter(_current_run).report(metrics, checkpoint, job, checkpoint_upload_mode)
+            _reporter(_current_run).report(
+                metrics, checkpoint, job, checkpoint_upload_mode, delete_local=delete_local
+            )
         return
+    _report_in_ray_train(
+        train_context, metrics, checkpoint, job, checkpoint_upload_mode, delete_local
+    )
 
+
+def _report_in_ray_train(context, metrics, checkpoint, job, mode, delete_local) -> None:
     import ray.train
 
+    # Ray Train's ASYNC mode puts the report into its result queue from its own upload
+    # thread: training never waits for the controller to drain that queue.
     if checkpoint is None:
-        ray.train.report(metrics)
+        ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
         return
-    run = train_context.get_experiment_name()
-    storing = None
+    reporter = _reporter(context.get_experiment_name())
     try:
-        reporter = _reporter(run)
-        if checkpoint_upload_mode is CheckpointUploadMode.SYNC:
-            # ckval's copy stands in for the one Ray Train would make; it runs while
-            # Ray Train syncs the ranks, and Ray Train gets the pointer once it is done.
-            index, uri, storing = reporter.start_storing(checkpoint)
+        if mode is CheckpointUploadMode.NO_UPLOAD:
+            stored = StoredReport.finished(*reporter.report(metrics, checkpoint, job, mode))
         else:
-            index, uri = reporter.report(metrics, checkpoint, job, checkpoint_upload_mode)
-    except Exception:
-        ray.train.report(metrics)  # the other ranks are in this report too: keep in step
-        raise
-    registering = []
-    returned = threading.Event()
-
-    def register_once() -> None:
-        # Once the copy is done, the checkpoint is registered (and its validation
-        # enqueued) on a background thread: when Ray Train's report returns, so as not
-        # to compete with its end, or HOLD_REGISTRATION_S after the copy if Ray Train
-        # still holds the report (its result queue is full), so as not to wait for it.
-        if storing is not None and not registering:
-            registering.append(True)
-            reporter.register_in_background(
-                index, storing.result(), metrics, job, not_before=returned
+            stored = reporter.store_and_register(
+                metrics, checkpoint, job, delete_local=delete_local
             )
+            index, uri = stored.index, stored.uri
+    except Exception:
+        # The other ranks are in this report too: keep in step.
+        ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+        raise
+    _report_pointer(reporter, index, uri, metrics, checkpoint, stored)
+    if mode is CheckpointUploadMode.SYNC:
+        stored.stored.result()  # ckval's copy is done: training may delete its folder
 
-    try:
-        _report_pointer(reporter, index, uri, metrics, checkpoint, register_once)
-    finally:
-        returned.set()
-        register_once()  # Ray Train skipped the report, or the pointer failed: stored still
+
+def _delete_local(mode: CheckpointUploadMode, delete: bool | None) -> bool:
+    """Whether the reported folder goes once copied: Ray Train's default for the mode."""
+    if delete is None:
+        return mode is CheckpointUploadMode.ASYNC
+    if not isinstance(delete, bool):
+        raise InvalidInput(
+            f"delete_local_checkpoint_after_upload must be True, False or None, got {delete!r}"
+        )
+    return delete
 
 
 def _report_pointer(
-    reporter: RunReporter, index: int, uri: str, metrics: dict, checkpoint, stored
+    reporter: RunReporter, index: int, uri: str, metrics: dict, checkpoint, stored: StoredReport
 ) -> None:
-    """ray.train.report() with a pointer to the stored checkpoint in place of its files.
+    """ray.train.report() in ASYNC mode with a pointer to the stored checkpoint.
 
-    ``stored()`` waits until the checkpoint is stored; it is called before the pointer
-    is written. If storing failed, Ray Train's report fails as it does when its own
-    upload fails.
+    Ray Train calls the pointer writer on its upload thread, in report order, and waits
+    for that thread before the worker finishes: the writer waits until ckval's copy is
+    registered, so no acknowledged report is lost when the train function returns. A
+    copy or registration that failed fails the writer, and so the run, as Ray Train's
+    own failed upload does.
     """
     import ray.train
 
@@ -146,26 +158,26 @@ def _report_pointer(
         # copying nothing: it gets the stored checkpoint itself.
         from validation_service.storage import ray_checkpoint
 
-        stored()
+        stored.stored.result()
         ray.train.report(metrics, checkpoint=ray_checkpoint(uri, reporter.settings.storage_options))
         # fit() returns as soon as the loop does, in this process: register before that.
-        reporter.flush()
+        stored.registered.result()
         return
 
     def write_pointer(_checkpoint, checkpoint_dir_name: str):
-        # Called by Ray Train in place of copying the checkpoint's files, which ckval
-        # stores: Ray Train's copy is the pointer alone.
-        stored()
+        stored.stored.result()
         path = storage.build_checkpoint_path_from_name(checkpoint_dir_name)
         filesystem = storage.storage_filesystem
         filesystem.create_dir(path)
         with filesystem.open_output_stream(f"{path}/{POINTER_FILE}") as f:
             f.write(pointer_bytes(reporter.run, index, uri))
+        stored.registered.result()
         return ray.train.Checkpoint(filesystem=filesystem, path=path)
 
     ray.train.report(
         metrics,
         checkpoint=checkpoint,
+        checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
         checkpoint_upload_fn=write_pointer,
         delete_local_checkpoint_after_upload=False,
     )
@@ -228,6 +240,7 @@ class Client:
         max_attempts: int = 3,
         retry_on_timeout: bool = False,
         coalesce: str | None = None,
+        delete_local_checkpoint_after_upload: bool | None = None,
     ) -> int | None:
         """As trainer_integration.report(); returns the report index of the checkpoint."""
         metrics, job = _prepare(
@@ -243,9 +256,12 @@ class Client:
             retry_on_timeout,
             coalesce,
         )
+        delete_local = _delete_local(checkpoint_upload_mode, delete_local_checkpoint_after_upload)
         if checkpoint is None:
             return None
-        index, _ = self._reporter.report(metrics, checkpoint, job, checkpoint_upload_mode)
+        index, _ = self._reporter.report(
+            metrics, checkpoint, job, checkpoint_upload_mode, delete_local=delete_local
+        )
         return index
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -308,8 +324,9 @@ def _reporter(run: str, settings=None, *, start_service: bool = True) -> RunRepo
 def _set_up_rank_zero_early() -> None:
     """In rank 0 of a Ray Train run, sets its reporter up on a thread as training starts.
 
-    The first report() then finds the registry open and the service found, instead of
-    doing it while training waits (~60 ms). It writes nothing: the run is created by its
+    The first report() then finds the registry open and the service running (started
+    now if none runs, so that its cold start overlaps training), instead of doing it
+    while training waits. It writes nothing to the registry: the run is created by its
     first checkpoint. Any failure is left to the first report() to raise.
     """
     if "ray.train" not in sys.modules:  # not in a Ray Train worker: nothing to prepare

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import enum
 import json
 import logging
@@ -30,15 +31,11 @@ from validation_service.storage import CheckpointStorage, PersistedCheckpoint
 logger = logging.getLogger(__name__)
 
 POINTER_FILE = "ckval_checkpoint.json"
-# How long a registration may wait for the end of the Ray Train report that stored its
-# checkpoint: it then no longer competes with that report for the CPU, and adds at most
-# this much to the validation's start when Ray Train holds the report for long.
-HOLD_REGISTRATION_S = 0.01
 _RESOURCE_KEYS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type"}
 
 
 class ReportNotDelivered(CkvalError):
-    """Reports whose checkpoint was stored but that the registry never accepted."""
+    """Reports that report() acknowledged but that were never stored or registered."""
 
     def __init__(self, run: str, failures: list[tuple[int, BaseException]]):
         self.run = run
@@ -46,10 +43,28 @@ class ReportNotDelivered(CkvalError):
         last = failures[-1][1]
         super().__init__(
             f"{len(failures)} report(s) of run {run!r} (report indices "
-            f"{self.report_indices}) could not be registered: {type(last).__name__}: {last}. "
-            "Their checkpoints are in storage; check the database (CKVAL_DATABASE_URL) "
-            "and report them again."
+            f"{self.report_indices}) were not delivered: {type(last).__name__}: {last}. "
+            "If the registry was unreachable, their checkpoints are in storage: check "
+            "CKVAL_DATABASE_URL and report them again. If storing failed, check the "
+            "checkpoint folder and CKVAL_STORAGE."
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredReport:
+    """A report whose checkpoint is being copied and registered in the background."""
+
+    index: int
+    uri: str
+    stored: Future  # of the PersistedCheckpoint; done once training may drop its folder
+    registered: Future  # done once the checkpoint is in the registry (validation enqueued)
+
+    @classmethod
+    def finished(cls, index: int, uri: str) -> StoredReport:
+        """A report that was stored and registered before it was returned."""
+        done: Future = Future()
+        done.set_result(None)
+        return cls(index, uri, done, done)
 
 
 class CheckpointUploadMode(enum.Enum):
@@ -215,15 +230,18 @@ class RunReporter:
     def prepare(self) -> None:
         """Gets ready for a first report while training starts; writes nothing.
 
-        Starts the background threads and looks the running service up for nudges
-        (never starts one).
+        Starts the background threads and finds the service, starting it if none runs
+        (the embedded default), so that its cold start overlaps training instead of
+        following the first report.
         """
         self._storing_thread().submit(lambda: None).result()
         self._background_threads().submit(lambda: None).result()
         if self._start_service and self._service is None:
             from validation_service.service import ValidationService
 
-            self._service = ValidationService.get(self.settings)
+            self._service = ValidationService.get(self.settings) or ValidationService.start(
+                settings=self.settings
+            )
 
     def reserve_index(self) -> int:
         with self._lock:
@@ -269,28 +287,44 @@ class RunReporter:
         checkpoint,
         job: JobSpec | None,
         mode: CheckpointUploadMode,
+        *,
+        delete_local: bool = False,
     ) -> tuple[int, str]:
         """Persists and registers one checkpoint; returns its report index and URI.
 
-        Raises ReportNotDelivered first if an earlier report could not be delivered.
+        SYNC and NO_UPLOAD return once it is registered (or, with the registry
+        unreachable, once stored: the registration is retried in the background).
+        ASYNC returns at once: store_and_register(). Raises ReportNotDelivered first if
+        an earlier report could not be delivered.
         """
+        if mode is CheckpointUploadMode.ASYNC:
+            stored = self.store_and_register(metrics, checkpoint, job, delete_local=delete_local)
+            return stored.index, stored.uri
         self.raise_undelivered()
         index = self.reserve_index()
-        if mode is CheckpointUploadMode.ASYNC:
-            # Copy now so training may delete or overwrite its folder at once.
-            local = checkpoint.to_directory(tempfile.mkdtemp(prefix="ckval-async-"))
-            self._in_background(index, self._upload_then_register, local, index, metrics, job)
-            return index, self._upload_uri(index)
-        return index, self._persist_and_register(metrics, checkpoint, job, mode, index)
+        if mode is CheckpointUploadMode.SYNC:
+            persisted = self._store(checkpoint, index, delete_local)
+        else:
+            persisted = self.persist(checkpoint, mode, index)
+        self._register_or_deliver(index, persisted, metrics, job)
+        return index, persisted.uri
 
-    def start_storing(self, checkpoint) -> tuple[int, str, Future]:
-        """Starts copying a checkpoint into storage on a background thread (SYNC).
+    def store_and_register(
+        self,
+        metrics: dict[str, Any],
+        checkpoint,
+        job: JobSpec | None,
+        *,
+        delete_local: bool = False,
+    ) -> StoredReport:
+        """Copies a checkpoint into storage and registers it, both in the background.
 
-        Returns its report index, the URI it will have and a future of the stored
-        checkpoint, so that the caller can enter Ray Train's report meanwhile; training
-        may delete the checkpoint's folder once the future is done. A checkpoint that
-        is not a folder is refused here, before anything starts. Raises
-        ReportNotDelivered first if an earlier report could not be delivered.
+        The copy starts at once on its own thread, reading the checkpoint's folder; the
+        folder is deleted once copied when ``delete_local``. The registration (and the
+        validation's enqueueing) follows as soon as the copy is done, retried while the
+        registry is unreachable. A checkpoint that is not a folder is refused here,
+        before anything starts. Raises ReportNotDelivered first if an earlier report
+        could not be delivered.
         """
         import pyarrow.fs
 
@@ -299,45 +333,25 @@ class RunReporter:
         if info.type != pyarrow.fs.FileType.Directory:
             raise CheckpointNotFound(checkpoint.path, "the reported checkpoint is not a folder")
         index = self.reserve_index()
-        storing = self._storing_thread().submit(
-            self.persist, checkpoint, CheckpointUploadMode.SYNC, index
-        )
-        return index, self._upload_uri(index), storing
-
-    def register_in_background(
-        self,
-        index: int,
-        persisted: PersistedCheckpoint,
-        metrics,
-        job: JobSpec | None,
-        *,
-        not_before: threading.Event | None = None,
-    ) -> None:
-        """Registers a stored checkpoint and enqueues its validation on a background thread.
-
-        The registration waits for ``not_before`` to be set, at most HOLD_REGISTRATION_S.
-        A failure is raised by the next report (ReportNotDelivered) and by flush(), and
-        logged at exit, as for ASYNC uploads.
-        """
+        stored = self._storing_thread().submit(self._store, checkpoint, index, delete_local)
 
         def register() -> None:
-            if not_before is not None:
-                not_before.wait(HOLD_REGISTRATION_S)
-            self._register_or_deliver(index, persisted, metrics, job)
+            self._deliver(index, stored.result(), metrics, job)
 
-        self._in_background(index, register)
+        registered = self._in_background(index, register)
+        return StoredReport(index, self._upload_uri(index), stored, registered)
+
+    def _store(self, checkpoint, index: int, delete_local: bool) -> PersistedCheckpoint:
+        persisted = self.persist(checkpoint, CheckpointUploadMode.SYNC, index)
+        if delete_local and _is_local(checkpoint):
+            # As ray.train.report(delete_local_checkpoint_after_upload=True) does.
+            shutil.rmtree(checkpoint.path, ignore_errors=True)
+        return persisted
 
     def _upload_uri(self, index: int) -> str:
         """Where an upload of this report goes (known before it starts)."""
         path = self.storage.checkpoint_path(self.settings.namespace, self.run, index)
         return self.storage.uri_for(path)
-
-    def _persist_and_register(
-        self, metrics: dict[str, Any], checkpoint, job: JobSpec | None, mode, index: int
-    ) -> str:
-        persisted = self.persist(checkpoint, mode, index)
-        self._register_or_deliver(index, persisted, metrics, job)
-        return persisted.uri
 
     def _register_or_deliver(
         self, index: int, persisted: PersistedCheckpoint, metrics, job
@@ -354,10 +368,11 @@ class RunReporter:
             )
             self._in_background(index, self._deliver, index, persisted, metrics, job)
 
-    def _in_background(self, index: int, fn, *args) -> None:
+    def _in_background(self, index: int, fn, *args) -> Future:
         future = self._background_threads().submit(fn, *args)
         with self._pending_lock:
             self._pending.append((index, future))
+        return future
 
     def _storing_thread(self) -> ThreadPoolExecutor:
         # Its own thread: deliveries retrying in the background never queue a copy.
@@ -373,13 +388,6 @@ class RunReporter:
                 atexit.register(self._flush_at_exit)
             return self._background
 
-    def _upload_then_register(self, local: str, index: int, metrics, job) -> None:
-        try:
-            persisted = self.storage.upload(local, self.settings.namespace, self.run, index)
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
-        self._deliver(index, persisted, metrics, job)
-
     def _deliver(self, index: int, persisted: PersistedCheckpoint, metrics, job) -> None:
         """Registers with backoff until delivery_timeout_s; the registration is idempotent."""
         deadline = time.monotonic() + self.settings.delivery_timeout_s
@@ -388,9 +396,17 @@ class RunReporter:
             try:
                 self.register(index, persisted, metrics, job)
                 return
-            except DBAPIError:
+            except DBAPIError as exc:
                 if time.monotonic() + delay > deadline:
                     raise
+                if delay == 0.5:
+                    logger.warning(
+                        "registry unreachable (%s); report %d of run %r is retried in the "
+                        "background",
+                        type(exc.orig).__name__,
+                        index,
+                        self.run,
+                    )
                 time.sleep(delay)
                 delay = min(delay * 2, 15.0)
 
@@ -452,7 +468,9 @@ class RunReporter:
             self._service.nudge()
             return True
         except Exception:  # noqa: BLE001 - the job is durable; the service will poll it
-            logger.warning("could not nudge the ckval service", exc_info=True)
+            # Handled: the service polls the registry too. The traceback is for debugging.
+            logger.warning("could not reach the ckval service to nudge it; it will poll")
+            logger.debug("nudge failed", exc_info=True)
             self._service = None
             return False
 

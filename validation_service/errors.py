@@ -6,6 +6,19 @@ from __future__ import annotations
 class CkvalError(Exception):
     """Base class of every error ckval raises on purpose."""
 
+    def __reduce__(self):
+        # ckval's errors cross processes (Ray tasks, Ray Train workers). Pickle rebuilds an
+        # exception by calling its class with self.args, which is the message alone, not
+        # the arguments of a subclass's __init__: rebuild from the message and the fields.
+        return (_rebuild_error, (type(self), str(self), dict(self.__dict__)))
+
+
+def _rebuild_error(cls: type[CkvalError], message: str, fields: dict) -> CkvalError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(fields)
+    return error
+
 
 class InvalidInput(CkvalError, ValueError):
     """An argument that ckval cannot store or act on; nothing was written."""

@@ -11,6 +11,7 @@ from typing import Any
 import ray
 
 from validation_service.config import Settings, ckval_env, get_settings
+from validation_service.logs import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ class _ServiceActor:
         from validation_service.registry.registry import Registry
         from validation_service.scheduler import Scheduler
 
-        logging.basicConfig(level=logging.INFO)
+        configure_logging()
         self.settings = Settings.model_validate_json(settings_json)
         # Only an embedded SQLite is migrated here; a server database is migrated as a
         # deploy step (`ckval db upgrade`), so a service never races a migration.
