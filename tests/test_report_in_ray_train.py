@@ -73,6 +73,7 @@ def trainer(run: str, storage: str, **config):
     )
 
 
+@pytest.mark.timeout(max(600, 40 * FLUSH_TEST_RUNS))
 def test_no_report_is_lost_when_the_train_function_returns_right_after_it(
     ray_session, session_home, unique_run, monkeypatch
 ):
