@@ -298,12 +298,15 @@ def test_submit_result_of_data_that_is_neither_bytes_nor_str(
     for path in ("/etc/passwd", "../outside.json", "worker/../../x.json"):
         with pytest.raises(InvalidInput, match="must stay inside the results folder"):
             rh.submit_result(path, "{}")
-    fail = {"rank": 0, "epoch": 1, "how": "bad-data"}
+    fail = {"rank": 1, "epoch": 1, "how": "bad-data"}
     futures = run(dask_client, seed_program, run_name=unique_run, rh=rh, epochs=EPOCHS, fail=fail)
     with pytest.raises(InvalidInput, match="takes bytes or str, got dict.*json.dumps"):
         rh.process_results(str(tmp_path), futures)
     [record] = assert_all_validated(unique_run, 1)  # the checkpoint before it is kept
-    assert (tmp_path / "checkpoint-0.pkl").exists() and not list(tmp_path.glob("**/bad-*"))
+    assert (tmp_path / "checkpoint-0.pkl").read_bytes() == (
+        Path(record.uri) / "checkpoint-0.pkl"
+    ).read_bytes()
+    assert not list(tmp_path.glob("**/bad-*"))
 
 
 def test_worker_killed_mid_run(service, unique_run, tmp_path):
