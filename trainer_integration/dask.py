@@ -182,6 +182,7 @@ def _run_rank(
             dist.destroy_process_group()
     except BaseException as exc:
         exc.add_note(f"raised on {where}")
+        exc.ckval_dask_worker = address  # in __dict__: it travels with the exception
         raise
 
 
@@ -396,10 +397,33 @@ def _root_failure(failed: list, pending: list, received: queue.SimpleQueue, writ
     if pending:
         with contextlib.suppress(TimeoutError):
             distributed.wait(pending, timeout=PEER_FAILURE_GRACE_S)
+        still_running = [future for future in pending if not future.done()]
+        if still_running:
+            # A rank that raised keeps its gloo connections open while its worker process
+            # lives, and the other ranks wait in their next collective until gloo's
+            # 30-minute timeout: restarting the failed ranks' workers closes them.
+            _restart_workers_of([f for f in failed if not _is_peer_failure(f.exception())])
+            with contextlib.suppress(TimeoutError):
+                distributed.wait(still_running, timeout=PEER_FAILURE_GRACE_S)
         writer.write_all(_drained(received))
         failed += [future for future in pending if future.status == "error"]
     causes = [future for future in failed if not _is_peer_failure(future.exception())]
     return (causes or failed)[0]
+
+
+def _restart_workers_of(failed: list) -> None:
+    addresses = {getattr(f.exception(), "ckval_dask_worker", None) for f in failed} - {None}
+    if not addresses:
+        return
+    logger.warning(
+        "restarting Dask worker(s) %s, whose rank failed, so that the other ranks stop "
+        "waiting for it",
+        sorted(addresses),
+    )
+    try:
+        failed[0].client.restart_workers(sorted(addresses), timeout=15)
+    except Exception:  # noqa: BLE001 - best effort: the peers then end at gloo's timeout
+        logger.warning("could not restart Dask worker(s) %s", sorted(addresses), exc_info=True)
 
 
 def _is_peer_failure(exc: BaseException) -> bool:
