@@ -6,6 +6,8 @@ import dataclasses
 import datetime as dt
 from typing import Any
 
+from validation_service.request import ValidationRequest
+
 
 @dataclasses.dataclass(frozen=True)
 class RunRecord:
@@ -16,6 +18,15 @@ class RunRecord:
     created_at: dt.datetime
     status: str
     tags: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """A run with how many checkpoints it has and how many of its jobs are in each status."""
+
+    run: RunRecord
+    checkpoints: int
+    job_counts: dict[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,23 +95,8 @@ class JobRecord:
     attempt_history: tuple[AttemptRecord, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
-class JobSpec:
-    """What report() asks of a validation; stored on the job row at registration."""
-
-    executor_kind: str
-    pool: str
-    validate_fn_name: str
-    validate_fn_ref: str | None = None
-    validate_fn_pickle: bytes | None = None
-    validate_config: bytes | None = None
-    resources: dict[str, Any] = dataclasses.field(default_factory=dict)
-    priority: int = 0
-    timeout_s: float | None = None
-    max_attempts: int = 3
-    retry_on_timeout: bool = False
-    # "latest": registering this job cancels the run's older QUEUED jobs.
-    coalesce: str | None = None
+# The name this record had before it moved to validation_service.request.
+JobSpec = ValidationRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +131,10 @@ class ClaimedJob:
     pool: str
     timeout_s: float | None
     lease_expires_at: dt.datetime
+    # The attempt budget: attempts made before the last `retry`, and whether a timed-out
+    # attempt may run again (what the retry policy decides from).
+    attempts_before_retry: int = 0
+    retry_on_timeout: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
