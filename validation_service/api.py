@@ -100,6 +100,13 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
 
     # Handlers are plain `def`: Registry and Ray calls block, so FastAPI runs them in
     # its thread pool instead of on the event loop.
+    _add_query_routes(app, registry)
+    _add_job_routes(app, registry, settings)
+    _add_service_route(app, settings)
+    return app
+
+
+def _add_query_routes(app: FastAPI, registry: Registry) -> None:
     @app.get("/healthz")
     def healthz() -> JSONResponse:
         database = registry.display_url
@@ -136,6 +143,10 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     def get_job(job_id: int) -> JSONResponse:
         return _json(job_json(registry.get_job(job_id)))
 
+
+def _add_job_routes(app: FastAPI, registry: Registry, settings: Settings) -> None:
+    """Cancel and retry, by job or by run; the running service is told at once."""
+
     def changed(jobs: list[int], what: str) -> JSONResponse:
         if jobs:
             tell_service(settings, what)
@@ -161,6 +172,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     def retry_run(run: str) -> JSONResponse:
         return changed(registry.retry_jobs(run=run), "nudge")
 
+
+def _add_service_route(app: FastAPI, settings: Settings) -> None:
     @app.get("/service")
     def service_status() -> JSONResponse:
         # Never ray.init() from a request: an API without Ray must not start a local cluster.
@@ -189,8 +202,6 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
                 f"The ckval service {settings.service_name!r} did not answer within "
                 f"{SERVICE_STATUS_TIMEOUT_S:g}s: {type(exc).__name__}: {exc}",
             )
-
-    return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:

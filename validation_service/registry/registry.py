@@ -322,21 +322,7 @@ class Registry:
         backoff, or FAILED / TIMED_OUT. Returns False, changing nothing, when the token
         is stale: a newer attempt owns the job.
         """
-        metrics: dict[str, Any] | None = None
-        if outcome.succeeded:
-            try:
-                metrics = normalize_metrics(outcome.metrics, what="validate_fn's return value")
-            except InvalidInput as exc:
-                outcome = dataclasses.replace(
-                    outcome,
-                    succeeded=False,
-                    metrics=None,
-                    error_type="InvalidInput",
-                    error_message=str(exc),
-                    error_traceback=None,
-                    retryable=False,
-                    timed_out=False,
-                )
+        metrics, outcome = _checked_metrics(outcome)
         now = utcnow()
         with self.db.write() as conn:
             job = transitions.running_job(conn, job_id, lease_token)
@@ -457,3 +443,23 @@ class Registry:
             return None
         with self.db.read() as session:
             return self.catalog.require_run_id(session, run)
+
+
+def _checked_metrics(outcome: JobOutcome) -> tuple[dict[str, Any] | None, JobOutcome]:
+    """A success's metrics, normalized; metrics that cannot be stored fail the attempt."""
+    if not outcome.succeeded:
+        return None, outcome
+    try:
+        return normalize_metrics(outcome.metrics, what="validate_fn's return value"), outcome
+    except InvalidInput as exc:
+        failed = dataclasses.replace(
+            outcome,
+            succeeded=False,
+            metrics=None,
+            error_type="InvalidInput",
+            error_message=str(exc),
+            error_traceback=None,
+            retryable=False,
+            timed_out=False,
+        )
+        return None, failed
