@@ -7,6 +7,7 @@ attempts past their timeout are cancelled. All database work goes through Regist
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -49,8 +50,9 @@ class Scheduler:
         self._in_flight: dict[int, tuple[Executor, AttemptHandle]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._last_heartbeat = 0.0
-        self._last_expiry_scan = 0.0
+        # -inf: the first tick heartbeats and scans, whatever the monotonic clock reads.
+        self._last_heartbeat = -math.inf
+        self._last_expiry_scan = -math.inf
         self.stats = {
             "claimed": 0,
             "finished": 0,
@@ -67,7 +69,7 @@ class Scheduler:
 
     def check_leases(self) -> None:
         """Jobs were cancelled: look at the leases at once and stop their attempts."""
-        self._last_heartbeat = 0.0
+        self._last_heartbeat = -math.inf
         self._wake.set()
 
     def stop(self) -> None:

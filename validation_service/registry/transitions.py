@@ -110,12 +110,16 @@ def claim(
 ) -> list[Row]:
     """QUEUED -> RUNNING under a new lease token; opens an attempt row for each job.
 
-    ``ids`` were locked by the caller. Returns the claimed jobs' _CLAIMED_JOBS rows.
+    ``ids`` were locked by the caller; one that is no longer QUEUED is left alone.
+    Returns the claimed jobs' _CLAIMED_JOBS rows, by priority.
     """
     params = {"b_ids": list(ids), "b_owner": owner, "b_expires": expires, "b_now": now}
-    conn.execute(_CLAIM_JOBS, params)
-    conn.execute(_SET_CLAIMED_CHECKPOINTS_RUNNING, {"b_ids": list(ids)})
-    rows = conn.execute(_CLAIMED_JOBS, {"b_ids": list(ids)}).all()
+    # Only the ids still QUEUED are claimed; RETURNING says which.
+    claimed = list(conn.execute(_CLAIM_JOBS, params).scalars())
+    if not claimed:
+        return []
+    conn.execute(_SET_CLAIMED_CHECKPOINTS_RUNNING, {"b_ids": claimed})
+    rows = conn.execute(_CLAIMED_JOBS, {"b_ids": claimed}).all()
     if rows:
         conn.execute(
             _INSERT_ATTEMPT,
@@ -272,10 +276,9 @@ def cancel(
     """
     if not jobs:
         return []
-    ids = [job.id for job in jobs]
-    conn.execute(
+    changed = conn.execute(
         update(_jobs)
-        .where(_jobs.c.id.in_(ids), _jobs.c.status.in_(_from("cancel")))
+        .where(_jobs.c.id.in_([job.id for job in jobs]), _jobs.c.status.in_(_from("cancel")))
         .values(
             status=JobStatus.CANCELLED.value,
             error_type=error_type,
@@ -286,21 +289,23 @@ def cancel(
             finished_at=now,
             updated_at=now,
         )
+        .returning(_jobs.c.id)
     )
-    running = [job for job in jobs if job.status == JobStatus.RUNNING.value]
+    changed_ids = set(changed.scalars())
+    cancelled = [job for job in jobs if job.id in changed_ids]
+    running = [job for job in cancelled if job.status == JobStatus.RUNNING.value]
     _close_attempts(conn, running, JobStatus.CANCELLED, message, now)
-    _mirror(conn, [job.checkpoint_id for job in jobs], JobStatus.CANCELLED)
-    return ids
+    _mirror(conn, [job.checkpoint_id for job in cancelled], JobStatus.CANCELLED)
+    return [job.id for job in cancelled]
 
 
 def retry(conn: Connection, jobs: Sequence[Row], now: dt.datetime) -> list[int]:
     """FAILED, TIMED_OUT or CANCELLED -> QUEUED with a fresh budget of attempts."""
     if not jobs:
         return []
-    ids = [job.id for job in jobs]
-    conn.execute(
+    changed = conn.execute(
         update(_jobs)
-        .where(_jobs.c.id.in_(ids), _jobs.c.status.in_(_from("retry")))
+        .where(_jobs.c.id.in_([job.id for job in jobs]), _jobs.c.status.in_(_from("retry")))
         .values(
             status=JobStatus.QUEUED.value,
             attempts_before_retry=_jobs.c.attempts,
@@ -311,9 +316,12 @@ def retry(conn: Connection, jobs: Sequence[Row], now: dt.datetime) -> list[int]:
             finished_at=None,
             updated_at=now,
         )
+        .returning(_jobs.c.id)
     )
-    _mirror(conn, [job.checkpoint_id for job in jobs], JobStatus.QUEUED)
-    return ids
+    changed_ids = set(changed.scalars())
+    requeued = [job for job in jobs if job.id in changed_ids]
+    _mirror(conn, [job.checkpoint_id for job in requeued], JobStatus.QUEUED)
+    return [job.id for job in requeued]
 
 
 def _close_attempts(
@@ -389,6 +397,7 @@ _CLAIM_JOBS = (
             _jobs.c.started_at, bindparam("b_now", type_=_jobs.c.started_at.type)
         ),
     )
+    .returning(_jobs.c.id)
 )
 _SET_CLAIMED_CHECKPOINTS_RUNNING = (
     update(_checkpoints)
