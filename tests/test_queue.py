@@ -19,15 +19,8 @@ NOW = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
 
 
 def request(**overrides) -> ValidationRequest:
-    values = dict(
-        executor_kind="ray_task",
-        pool="CPU",
-        validate_fn_name="validate",
-        validate_fn_ref="json:dumps",
-        max_attempts=3,
-    )
-    values.update(overrides)
-    return ValidationRequest(**values)
+    fields = {"executor_kind": "ray_task", "pool": "CPU", "validate_fn_name": "validate"}
+    return ValidationRequest(**{**fields, "validate_fn_ref": "json:dumps", **overrides})
 
 
 def register(registry, run_id, index, **overrides):

@@ -44,77 +44,49 @@ def iso(value: dt.datetime | None) -> str | None:
     return None if value is None else value.isoformat()
 
 
+def _pick(record: Any, fields: str, **renamed: str) -> dict[str, Any]:
+    """The named fields of a record (``renamed``: JSON key -> field), times in ISO 8601."""
+    picked = {}
+    for key in fields.split():
+        value = getattr(record, renamed.get(key, key))
+        picked[key] = iso(value) if isinstance(value, dt.datetime) else value
+    return picked
+
+
 def run_json(summary: RunSummary) -> dict[str, Any]:
-    run, counts = summary.run, summary.job_counts
+    counts = summary.job_counts
     return {
-        "id": run.id,
-        "name": run.name,
-        "namespace": run.namespace,
-        "status": run.status,
-        "created_at": iso(run.created_at),
-        "storage_root": run.storage_root,
-        "tags": run.tags,
+        **_pick(summary.run, "id name namespace status created_at storage_root tags"),
         "checkpoints": summary.checkpoints,
         "jobs": {status.value: counts.get(status.value, 0) for status in JobStatus},
     }
 
 
 def checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
-    return {
-        "id": record.id,
-        "run": record.run,
-        "report_index": record.report_index,
-        "step": record.step,
-        "epoch": record.epoch,
-        "uri": record.uri,
-        "size_bytes": record.size_bytes,
-        "manifest_sha256": record.manifest_sha256,
-        "validation_status": record.validation_status,
-        "metrics": record.metrics,
-        "reported_metrics": record.reported_metrics,
-        "validated_metrics": record.validated_metrics,
-        "created_at": iso(record.created_at),
-    }
+    return _pick(
+        record,
+        "id run report_index step epoch uri size_bytes manifest_sha256 validation_status "
+        "metrics reported_metrics validated_metrics created_at",
+    )
 
 
 def attempt_json(attempt: AttemptRecord) -> dict[str, Any]:
-    return {
-        "attempt": attempt.attempt,
-        "status": attempt.status,
-        "lease_owner": attempt.lease_owner,
-        "node_id": attempt.node_id,
-        "worker_pid": attempt.worker_pid,
-        "claimed_at": iso(attempt.claimed_at),
-        "started_at": iso(attempt.started_at),
-        "finished_at": iso(attempt.finished_at),
-        "error": attempt.error_message,
-    }
+    return _pick(
+        attempt,
+        "attempt status lease_owner node_id worker_pid claimed_at started_at finished_at error",
+        error="error_message",
+    )
 
 
 def job_json(job: JobRecord) -> dict[str, Any]:
     return {
-        "id": job.id,
-        "run": job.run,
-        "checkpoint_id": job.checkpoint_id,
-        "report_index": job.report_index,
-        "status": job.status,
-        "attempt_count": job.attempts,
-        "max_attempts": job.max_attempts,
-        "priority": job.priority,
-        "pool": job.pool,
-        "resources": job.resources,
-        "executor_kind": job.executor_kind,
-        "validate_fn_name": job.validate_fn_name,
-        "timeout_s": job.timeout_s,
-        "not_before": iso(job.not_before),
-        "lease_owner": job.lease_owner,
-        "lease_expires_at": iso(job.lease_expires_at),
-        "result_metrics": job.result_metrics,
-        "error_type": job.error_type,
-        "error_message": job.error_message,
-        "error_traceback": job.error_traceback,
-        "created_at": iso(job.created_at),
-        "started_at": iso(job.started_at),
-        "finished_at": iso(job.finished_at),
+        **_pick(
+            job,
+            "id run checkpoint_id report_index status attempt_count max_attempts priority pool "
+            "resources executor_kind validate_fn_name timeout_s not_before lease_owner "
+            "lease_expires_at result_metrics error_type error_message error_traceback "
+            "created_at started_at finished_at",
+            attempt_count="attempts",
+        ),
         "attempts": [attempt_json(attempt) for attempt in job.attempt_history],
     }

@@ -16,7 +16,7 @@ from validation_service.jobs import MetricSource, RunStatus, ValidationStatus
 from validation_service.metrics import normalize_metrics, rankable
 from validation_service.registry.database import Database
 from validation_service.registry.models import Checkpoint, MetricValue, Run, utcnow
-from validation_service.registry.records import CheckpointRecord, RunRecord
+from validation_service.registry.records import CheckpointRecord, RunRecord, record_from
 
 Mode = Literal["max", "min"]
 
@@ -293,28 +293,11 @@ def check_run_name(name: str) -> None:
 
 
 def run_record(run: Run) -> RunRecord:
-    return RunRecord(
-        run.id, run.name, run.namespace, run.storage_root, run.created_at, run.status, run.tags
-    )
+    return record_from(RunRecord, run)
 
 
 def checkpoint_record(c: Checkpoint, run: str) -> CheckpointRecord:
-    return CheckpointRecord(
-        id=c.id,
-        run=run,
-        report_index=c.report_index,
-        step=c.step,
-        epoch=c.epoch,
-        uri=c.uri,
-        size_bytes=c.size_bytes,
-        manifest_sha256=c.manifest_sha256,
-        created_at=c.created_at,
-        reported_metrics=c.reported_metrics,
-        validated_metrics=c.validated_metrics,
-        metrics=c.metrics,
-        validation_status=c.validation_status,
-        deleted_at=c.deleted_at,
-    )
+    return record_from(CheckpointRecord, c, run=run)
 
 
 _METRIC_VALUE_COLUMNS = ("checkpoint_id", "run_id", "name", "source", "value", "effective")

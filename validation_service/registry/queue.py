@@ -17,7 +17,12 @@ from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus
 from validation_service.registry import transitions
 from validation_service.registry.database import Database
 from validation_service.registry.models import Checkpoint, Run, ValidationJob, utcnow
-from validation_service.registry.records import AttemptRecord, ClaimedJob, JobRecord
+from validation_service.registry.records import (
+    AttemptRecord,
+    ClaimedJob,
+    JobRecord,
+    record_from,
+)
 
 _ACTIVE = sorted(s.value for s in ACTIVE_JOB_STATUSES)
 _jobs = ValidationJob.__table__
@@ -245,71 +250,11 @@ _RUNNING_PER_POOL = (
 
 def claimed_job(row, expires: dt.datetime) -> ClaimedJob:
     """A claimed job (a transitions.claim row), as the executor gets it."""
-    return ClaimedJob(
-        job_id=row.job_id,
-        lease_token=row.lease_token,
-        attempt=row.attempts,
-        max_attempts=row.max_attempts,
-        run=row.run,
-        namespace=row.namespace,
-        checkpoint_id=row.checkpoint_id,
-        report_index=row.report_index,
-        uri=row.uri,
-        storage_root=row.storage_root,
-        manifest_sha256=row.manifest_sha256,
-        reported_metrics=row.reported_metrics,
-        validate_fn_ref=row.validate_fn_ref,
-        validate_fn_pickle=row.validate_fn_pickle,
-        validate_config=row.validate_config,
-        executor_kind=row.executor_kind,
-        resources=row.resources,
-        pool=row.pool,
-        timeout_s=row.timeout_s,
-        lease_expires_at=expires,
-        attempts_before_retry=row.attempts_before_retry,
-        retry_on_timeout=row.retry_on_timeout,
+    return record_from(
+        ClaimedJob, row, job_id=row.job_id, attempt=row.attempts, lease_expires_at=expires
     )
 
 
 def job_record(job: ValidationJob, run: str, report_index: int) -> JobRecord:
-    return JobRecord(
-        id=job.id,
-        run=run,
-        checkpoint_id=job.checkpoint_id,
-        report_index=report_index,
-        status=job.status,
-        attempts=job.attempts,
-        max_attempts=job.max_attempts,
-        priority=job.priority,
-        pool=job.pool,
-        resources=job.resources,
-        executor_kind=job.executor_kind,
-        validate_fn_name=job.validate_fn_name,
-        not_before=job.not_before,
-        lease_owner=job.lease_owner,
-        lease_token=job.lease_token,
-        lease_expires_at=job.lease_expires_at,
-        timeout_s=job.timeout_s,
-        error_type=job.error_type,
-        error_message=job.error_message,
-        error_traceback=job.error_traceback,
-        result_metrics=job.result_metrics,
-        created_at=job.created_at,
-        started_at=job.started_at,
-        finished_at=job.finished_at,
-        attempt_history=tuple(
-            AttemptRecord(
-                a.attempt,
-                a.lease_token,
-                a.lease_owner,
-                a.status,
-                a.claimed_at,
-                a.started_at,
-                a.finished_at,
-                a.node_id,
-                a.worker_pid,
-                a.error_message,
-            )
-            for a in job.attempt_rows
-        ),
-    )
+    attempts = tuple(record_from(AttemptRecord, a) for a in job.attempt_rows)
+    return record_from(JobRecord, job, run=run, report_index=report_index, attempt_history=attempts)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from typing import Any
+from typing import Any, TypeVar
 
 from validation_service.request import ValidationRequest
 
@@ -45,11 +45,6 @@ class CheckpointRecord:
     metrics: dict[str, Any]
     validation_status: str
     deleted_at: dt.datetime | None
-
-    def to_ray_checkpoint(self, storage_options: dict[str, Any] | None = None):
-        from validation_service.storage import ray_checkpoint
-
-        return ray_checkpoint(self.uri, storage_options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +88,15 @@ class JobRecord:
     started_at: dt.datetime | None
     finished_at: dt.datetime | None
     attempt_history: tuple[AttemptRecord, ...] = ()
+
+
+_R = TypeVar("_R")
+
+
+def record_from(cls: type[_R], row: Any, **given: Any) -> _R:
+    """A record of type ``cls`` with ``given`` fields, the others read off ``row``."""
+    names = (f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    return cls(**given, **{name: getattr(row, name) for name in names if name not in given})
 
 
 # The name this record had before it moved to validation_service.request.

@@ -49,6 +49,11 @@ FROM_STATES: dict[str, frozenset[JobStatus]] = {
 }
 
 
+# What every transition out of RUNNING clears, and what a requeue by the user clears.
+_NO_LEASE = {"lease_owner": None, "lease_expires_at": None}
+_NO_ERROR = {"error_type": None, "error_message": None, "error_traceback": None}
+
+
 def _from(transition: str) -> list[str]:
     return sorted(status.value for status in FROM_STATES[transition])
 
@@ -179,12 +184,7 @@ def finish(
     and ``checkpoint_columns`` (its merged metrics) in the same statement.
     """
     if status is JobStatus.SUCCEEDED:
-        values: dict[str, Any] = {
-            "result_metrics": result_metrics,
-            "error_type": None,
-            "error_message": None,
-            "error_traceback": None,
-        }
+        values: dict[str, Any] = {"result_metrics": result_metrics, **_NO_ERROR}
     else:
         values = {
             "error_type": outcome.error_type,
@@ -193,14 +193,8 @@ def finish(
         }
         if status is JobStatus.QUEUED:
             values["not_before"] = not_before or now
-    values.update(
-        b_job_id=job.id,
-        status=status.value,
-        updated_at=now,
-        lease_owner=None,
-        lease_expires_at=None,
-        finished_at=now if status.is_terminal else None,
-    )
+    values.update(_NO_LEASE, b_job_id=job.id, status=status.value, updated_at=now)
+    values["finished_at"] = now if status.is_terminal else None
     conn.execute(_UPDATE_JOB, values)
     checkpoint_values = {**(checkpoint_columns or {}), "b_checkpoint_id": job.checkpoint_id}
     checkpoint_values["validation_status"] = JOB_TO_VALIDATION_STATUS[status].value
@@ -235,12 +229,7 @@ def expire(
 
     ``job`` is a queue.LEASE_COLUMNS row; False when it moved on meanwhile.
     """
-    values: dict[str, Any] = {
-        "status": status.value,
-        "lease_owner": None,
-        "lease_expires_at": None,
-        "updated_at": now,
-    }
+    values: dict[str, Any] = {"status": status.value, **_NO_LEASE, "updated_at": now}
     if status is JobStatus.QUEUED:
         values["not_before"] = not_before or now
     else:
@@ -274,25 +263,16 @@ def cancel(
 
     ``jobs`` are queue.LEASE_COLUMNS rows; returns the ids cancelled.
     """
-    if not jobs:
-        return []
-    changed = conn.execute(
-        update(_jobs)
-        .where(_jobs.c.id.in_([job.id for job in jobs]), _jobs.c.status.in_(_from("cancel")))
-        .values(
-            status=JobStatus.CANCELLED.value,
-            error_type=error_type,
-            error_message=message,
-            error_traceback=None,
-            lease_owner=None,
-            lease_expires_at=None,
-            finished_at=now,
-            updated_at=now,
-        )
-        .returning(_jobs.c.id)
-    )
-    changed_ids = set(changed.scalars())
-    cancelled = [job for job in jobs if job.id in changed_ids]
+    values = {
+        "status": JobStatus.CANCELLED.value,
+        **_NO_LEASE,
+        "error_type": error_type,
+        "error_message": message,
+        "error_traceback": None,
+        "finished_at": now,
+        "updated_at": now,
+    }
+    cancelled = _move(conn, jobs, "cancel", values)
     running = [job for job in cancelled if job.status == JobStatus.RUNNING.value]
     _close_attempts(conn, running, JobStatus.CANCELLED, message, now)
     _mirror(conn, [job.checkpoint_id for job in cancelled], JobStatus.CANCELLED)
@@ -301,27 +281,34 @@ def cancel(
 
 def retry(conn: Connection, jobs: Sequence[Row], now: dt.datetime) -> list[int]:
     """FAILED, TIMED_OUT or CANCELLED -> QUEUED with a fresh budget of attempts."""
+    values = {
+        "status": JobStatus.QUEUED.value,
+        "attempts_before_retry": _jobs.c.attempts,
+        **_NO_ERROR,
+        "not_before": now,
+        "finished_at": None,
+        "updated_at": now,
+    }
+    requeued = _move(conn, jobs, "retry", values)
+    _mirror(conn, [job.checkpoint_id for job in requeued], JobStatus.QUEUED)
+    return [job.id for job in requeued]
+
+
+def _move(
+    conn: Connection, jobs: Sequence[Row], transition: str, values: dict[str, Any]
+) -> list[Row]:
+    """Sets ``values`` on those of ``jobs`` still in the transition's from-states; returns
+    those jobs."""
     if not jobs:
         return []
     changed = conn.execute(
         update(_jobs)
-        .where(_jobs.c.id.in_([job.id for job in jobs]), _jobs.c.status.in_(_from("retry")))
-        .values(
-            status=JobStatus.QUEUED.value,
-            attempts_before_retry=_jobs.c.attempts,
-            error_type=None,
-            error_message=None,
-            error_traceback=None,
-            not_before=now,
-            finished_at=None,
-            updated_at=now,
-        )
+        .where(_jobs.c.id.in_([job.id for job in jobs]), _jobs.c.status.in_(_from(transition)))
+        .values(values)
         .returning(_jobs.c.id)
     )
     changed_ids = set(changed.scalars())
-    requeued = [job for job in jobs if job.id in changed_ids]
-    _mirror(conn, [job.checkpoint_id for job in requeued], JobStatus.QUEUED)
-    return [job.id for job in requeued]
+    return [job for job in jobs if job.id in changed_ids]
 
 
 def _close_attempts(
