@@ -8,12 +8,14 @@ from validation_service.errors import (
     InvalidInput,
     JobNotFound,
     PermanentValidationError,
+    RegistryUnavailable,
     RunNotFound,
     UnknownMetric,
     ValidationFnError,
 )
 from validation_service.jobs import JobStatus, ValidationStatus
 from validation_service.registry import Registry
+from validation_service.request import ValidationRequest
 from validation_service.service import ServiceHandle, ValidationService
 
 __all__ = [
@@ -25,11 +27,13 @@ __all__ = [
     "JobStatus",
     "PermanentValidationError",
     "Registry",
+    "RegistryUnavailable",
     "RunNotFound",
     "ServiceHandle",
     "Settings",
     "UnknownMetric",
     "ValidationFnError",
+    "ValidationRequest",
     "ValidationService",
     "ValidationStatus",
 ]
