@@ -3,6 +3,7 @@ validated metrics. Reads and writes runs, checkpoints and metric_values only."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -143,21 +144,21 @@ class Catalog:
     def checkpoints(self, run: str, *, include_deleted: bool) -> list[CheckpointRecord]:
         with self.db.read() as session:
             run_id = self.require_run_id(session, run)
-            query = select(Checkpoint).where(Checkpoint.run_id == run_id)
+            query = select(*_RECORD_COLUMNS).where(Checkpoint.run_id == run_id)
             if not include_deleted:
                 query = query.where(Checkpoint.deleted_at.is_(None))
-            rows = session.scalars(query.order_by(Checkpoint.report_index)).all()
+            rows = session.execute(query.order_by(Checkpoint.report_index)).all()
             return [checkpoint_record(c, run) for c in rows]
 
     def latest(self, run: str) -> CheckpointRecord | None:
         with self.db.read() as session:
             run_id = self.require_run_id(session, run)
-            row = session.scalar(
-                select(Checkpoint)
+            row = session.execute(
+                select(*_RECORD_COLUMNS)
                 .where(Checkpoint.run_id == run_id, Checkpoint.deleted_at.is_(None))
                 .order_by(Checkpoint.report_index.desc())
                 .limit(1)
-            )
+            ).first()
             return None if row is None else checkpoint_record(row, run)
 
     def best(
@@ -179,14 +180,14 @@ class Catalog:
             conditions.append(Run.name == run)
         # One statement: the metric index gives the order, the joins add the rows.
         query = (
-            select(Checkpoint, Run.name)
+            select(*_RECORD_COLUMNS, Run.name.label("run_name"))
             .join(MetricValue, MetricValue.checkpoint_id == Checkpoint.id)
             .join(Run, Run.id == MetricValue.run_id)
             .where(*conditions)
             .order_by(order, MetricValue.checkpoint_id.asc())
             .limit(k)
         )
-        return [checkpoint_record(c, name) for c, name in session.execute(query).all()]
+        return [checkpoint_record(row, row.run_name) for row in session.execute(query).all()]
 
     def known_metrics(self, session: Session, run_id: int | None) -> set[str]:
         """Names of the metrics recorded for the run (any run of the namespace: None)."""
@@ -296,10 +297,14 @@ def run_record(run: Run) -> RunRecord:
     return record_from(RunRecord, run)
 
 
-def checkpoint_record(c: Checkpoint, run: str) -> CheckpointRecord:
+def checkpoint_record(c: Row, run: str) -> CheckpointRecord:
+    """A record from a row of _RECORD_COLUMNS (a plain row: no ORM object to build)."""
     return record_from(CheckpointRecord, c, run=run)
 
 
+_RECORD_COLUMNS = tuple(
+    _checkpoints.c[f.name] for f in dataclasses.fields(CheckpointRecord) if f.name != "run"
+)
 _METRIC_VALUE_COLUMNS = ("checkpoint_id", "run_id", "name", "source", "value", "effective")
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
+import operator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from validation_service.request import ValidationRequest
@@ -95,8 +98,18 @@ _R = TypeVar("_R")
 
 def record_from(cls: type[_R], row: Any, **given: Any) -> _R:
     """A record of type ``cls`` with ``given`` fields, the others read off ``row``."""
-    names = (f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
-    return cls(**given, **{name: getattr(row, name) for name in names if name not in given})
+    names, read = _reader(cls, tuple(given))
+    values = dict(zip(names, read(row), strict=True))
+    values.update(given)
+    return cls(**values)
+
+
+@functools.cache
+def _reader(cls: type, given: tuple[str, ...]) -> tuple[tuple[str, ...], Callable[[Any], tuple]]:
+    """The fields of ``cls`` not given, and one getter of them all (built once per call site)."""
+    names = tuple(f.name for f in dataclasses.fields(cls) if f.name not in given)
+    getter = operator.attrgetter(*names)
+    return names, getter if len(names) > 1 else (lambda row: (getter(row),))
 
 
 # The name this record had before it moved to validation_service.request.
