@@ -4,6 +4,7 @@ validated metrics. Reads and writes runs, checkpoints and metric_values only."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -169,25 +170,9 @@ class Catalog:
             raise InvalidInput(f"mode must be 'max' or 'min', got {mode!r}")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise InvalidInput(f"k must be a positive int, got {k!r}")
-        order = MetricValue.value.desc() if mode == "max" else MetricValue.value.asc()
-        conditions = [
-            MetricValue.name == metric,
-            # "= true", not "IS true": only an equality lets the index give the order.
-            MetricValue.effective == True,  # noqa: E712
-            Run.namespace == self.namespace,
-        ]
-        if run is not None:
-            conditions.append(Run.name == run)
-        # One statement: the metric index gives the order, the joins add the rows.
-        query = (
-            select(*_RECORD_COLUMNS, Run.name.label("run_name"))
-            .join(MetricValue, MetricValue.checkpoint_id == Checkpoint.id)
-            .join(Run, Run.id == MetricValue.run_id)
-            .where(*conditions)
-            .order_by(order, MetricValue.checkpoint_id.asc())
-            .limit(k)
-        )
-        return [checkpoint_record(row, row.run_name) for row in session.execute(query).all()]
+        params = {"b_metric": metric, "b_namespace": self.namespace, "b_run": run, "b_k": k}
+        rows = session.execute(_best_query(mode, run is not None), params).all()
+        return [checkpoint_record(row, row.run_name) for row in rows]
 
     def known_metrics(self, session: Session, run_id: int | None) -> set[str]:
         """Names of the metrics recorded for the run (any run of the namespace: None)."""
@@ -240,6 +225,31 @@ class Catalog:
         if values:
             conn.execute(_INSERT_METRIC_VALUE, values)
         return {"validated_metrics": validated, "metrics": {**job.reported_metrics, **validated}}
+
+
+@functools.cache
+def _best_query(mode: Mode, by_run: bool):
+    """Top-k by one metric, built once per (mode, one run or all): best-k is the hot read.
+
+    One statement: the metric index gives the order, the joins add the rows.
+    """
+    order = MetricValue.value.desc() if mode == "max" else MetricValue.value.asc()
+    conditions = [
+        MetricValue.name == bindparam("b_metric"),
+        # "= true", not "IS true": only an equality lets the index give the order.
+        MetricValue.effective == True,  # noqa: E712
+        Run.namespace == bindparam("b_namespace"),
+    ]
+    if by_run:
+        conditions.append(Run.name == bindparam("b_run"))
+    return (
+        select(*_RECORD_COLUMNS, Run.name.label("run_name"))
+        .join(MetricValue, MetricValue.checkpoint_id == Checkpoint.id)
+        .join(Run, Run.id == MetricValue.run_id)
+        .where(*conditions)
+        .order_by(order, MetricValue.checkpoint_id.asc())
+        .limit(bindparam("b_k"))
+    )
 
 
 def checkpoint_row(
