@@ -1,5 +1,5 @@
-"""Alembic environment and numbered versions: the only way the registry schema changes."""
+"""Alembic environment and numbered versions: the only way the registry schema changes.
 
-from pathlib import Path
-
-MIGRATIONS_DIR = Path(__file__).resolve().parent
+Installed as ``validation_service.migrations`` (see pyproject.toml), not as a top-level
+package of its own.
+"""

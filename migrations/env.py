@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from validation_service.registry._engine import create_registry_engine
+from validation_service.registry.database import Database
 from validation_service.registry.models import Base
 
 target_metadata = Base.metadata
@@ -26,12 +26,12 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    engine = create_registry_engine(context.config.get_main_option("sqlalchemy.url"))
+    database = Database(context.config.get_main_option("sqlalchemy.url"))
     try:
-        with engine.connect() as connection:
+        with database.engine.connect() as connection:
             _run(connection)
     finally:
-        engine.dispose()
+        database.close()
 
 
 def _run(connection) -> None:

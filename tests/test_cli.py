@@ -6,8 +6,9 @@ import pytest
 from click.testing import CliRunner
 
 from validation_service.cli import main
-from validation_service.registry.records import JobOutcome, JobSpec
+from validation_service.registry.records import JobOutcome
 from validation_service.registry.registry import Registry
+from validation_service.request import ValidationRequest
 
 
 @pytest.fixture
@@ -15,7 +16,7 @@ def populated(tmp_path):
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     registry = Registry(url)
     run_id = registry.ensure_run("digits", storage_root=str(tmp_path))
-    job = JobSpec(
+    job = ValidationRequest(
         executor_kind="ray_task",
         pool="CPU",
         validate_fn_name="validate",

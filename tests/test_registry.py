@@ -11,12 +11,13 @@ import pytest
 from validation_service.errors import InvalidInput, RunNotFound, UnknownMetric
 from validation_service.jobs import JobStatus, ValidationStatus
 from validation_service.registry._migrate import head_revision
-from validation_service.registry.records import JobOutcome, JobSpec
+from validation_service.registry.records import JobOutcome
+from validation_service.request import ValidationRequest
 
 OWNER = "test-scheduler"
 
 
-def spec(**overrides) -> JobSpec:
+def spec(**overrides) -> ValidationRequest:
     values = dict(
         executor_kind="ray_task",
         pool="CPU",
@@ -25,7 +26,7 @@ def spec(**overrides) -> JobSpec:
         max_attempts=3,
     )
     values.update(overrides)
-    return JobSpec(**values)
+    return ValidationRequest(**values)
 
 
 def register(registry, run_id, index, metrics, job=True, **job_overrides):

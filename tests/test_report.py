@@ -225,17 +225,17 @@ def test_validate_fn_sees_which_validation_it_runs(service, tmp_path, unique_run
 
 def test_a_validate_fn_is_pickled_once_per_process():
     """As Ray pickles ValidationConfig(fn) once: per-report values go in validate_config."""
-    from trainer_integration._reporter import build_job_spec
+    from trainer_integration._reporter import validation_request
 
     def validate(checkpoint, config):
         return {"ok": 1.0}
 
     first, again = (
-        build_job_spec(validate, {"epoch": epoch}, None, 0, None, 3) for epoch in (1, 2)
+        validation_request(validate, {"epoch": epoch}, None, 0, None, 3) for epoch in (1, 2)
     )
     assert first.validate_fn_pickle is again.validate_fn_pickle
     assert first.validate_config != again.validate_config
-    other = build_job_spec(lambda checkpoint, config: {}, None, None, 0, None, 3)
+    other = validation_request(lambda checkpoint, config: {}, None, None, 0, None, 3)
     assert other.validate_fn_pickle != first.validate_fn_pickle
 
 

@@ -14,10 +14,10 @@ from trainer_integration._reporter import (
     ReportNotDelivered,
     RunReporter,
     StoredReport,
-    build_job_spec,
     plain_metrics,
     pointer_bytes,
     resolve_settings,
+    validation_request,
 )
 from validation_service.errors import InvalidInput
 
@@ -298,7 +298,7 @@ def _prepare(
         raise InvalidInput("validate_fn was given without a checkpoint to validate.")
     job = None
     if validate_fn is not None:
-        job = build_job_spec(
+        job = validation_request(
             validate_fn,
             validate_config,
             validation_resources,

@@ -18,15 +18,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import cloudpickle
-from sqlalchemy.exc import DBAPIError
 
 from validation_service.config import Settings, get_settings
-from validation_service.errors import CheckpointNotFound, CkvalError, InvalidInput
-from validation_service.executors._run import import_validate_fn
+from validation_service.errors import (
+    CheckpointNotFound,
+    CkvalError,
+    InvalidInput,
+    RegistryUnavailable,
+)
 from validation_service.jobs import ExecutorKind
 from validation_service.metrics import normalize_metrics, to_plain
-from validation_service.registry.records import JobSpec
+from validation_service.request import ValidationRequest
 from validation_service.storage import CheckpointStorage, PersistedCheckpoint
+from validation_service.validate_fn import import_validate_fn
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +91,7 @@ def pool_for(resources: dict[str, Any]) -> str:
     return "GPU" if resources.get("num_gpus") else "CPU"
 
 
-def build_job_spec(
+def validation_request(
     validate_fn: Callable[..., dict] | str,
     validate_config: dict | None,
     validation_resources: dict | None,
@@ -96,8 +100,11 @@ def build_job_spec(
     max_attempts: int,
     retry_on_timeout: bool = False,
     coalesce: str | None = None,
-) -> JobSpec:
-    """Checks every validation argument up front; raises InvalidInput naming the bad one."""
+) -> ValidationRequest:
+    """The ValidationRequest that a report() asks for, every argument checked up front.
+
+    Raises InvalidInput naming the bad argument, before anything is stored.
+    """
     if isinstance(validate_fn, str):
         import_validate_fn(validate_fn)  # a reference that does not import fails here, now
         fn_ref, fn_pickle, fn_name = validate_fn, None, validate_fn
@@ -150,7 +157,7 @@ def build_job_spec(
         raise InvalidInput(f"max_attempts must be an int >= 1, got {max_attempts!r}")
     if coalesce not in (None, "latest"):
         raise InvalidInput(f"coalesce must be None or 'latest', got {coalesce!r}")
-    return JobSpec(
+    return ValidationRequest(
         executor_kind=ExecutorKind.RAY_TASK.value,
         pool=pool_for(resources),
         validate_fn_name=fn_name,
@@ -264,7 +271,7 @@ class RunReporter:
         index: int,
         persisted: PersistedCheckpoint,
         metrics: dict[str, Any],
-        job: JobSpec | None,
+        job: ValidationRequest | None,
     ):
         registration = self.registry.register_checkpoint(
             self.run_id,
@@ -285,7 +292,7 @@ class RunReporter:
         self,
         metrics: dict[str, Any],
         checkpoint,
-        job: JobSpec | None,
+        job: ValidationRequest | None,
         mode: CheckpointUploadMode,
         *,
         delete_local: bool = False,
@@ -313,7 +320,7 @@ class RunReporter:
         self,
         metrics: dict[str, Any],
         checkpoint,
-        job: JobSpec | None,
+        job: ValidationRequest | None,
         *,
         delete_local: bool = False,
     ) -> StoredReport:
@@ -358,11 +365,11 @@ class RunReporter:
     ) -> None:
         try:
             self.register(index, persisted, metrics, job)
-        except DBAPIError as exc:
+        except RegistryUnavailable as exc:
             # The checkpoint is stored; the registry is unreachable for the moment.
             logger.warning(
                 "registry unreachable (%s); report %d of run %r is delivered in the background",
-                type(exc.orig).__name__,
+                type(exc.orig).__name__ if exc.orig is not None else "unknown",
                 index,
                 self.run,
             )
@@ -396,14 +403,14 @@ class RunReporter:
             try:
                 self.register(index, persisted, metrics, job)
                 return
-            except DBAPIError as exc:
+            except RegistryUnavailable as exc:
                 if time.monotonic() + delay > deadline:
                     raise
                 if delay == 0.5:
                     logger.warning(
                         "registry unreachable (%s); report %d of run %r is retried in the "
                         "background",
-                        type(exc.orig).__name__,
+                        type(exc.orig).__name__ if exc.orig is not None else "unknown",
                         index,
                         self.run,
                     )

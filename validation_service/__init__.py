@@ -14,12 +14,14 @@ from validation_service.errors import (  # noqa: E402
     InvalidInput,
     JobNotFound,
     PermanentValidationError,
+    RegistryUnavailable,
     RunNotFound,
     UnknownMetric,
     ValidationFnError,
 )
 from validation_service.jobs import JobStatus, ValidationStatus  # noqa: E402
 from validation_service.registry import Registry  # noqa: E402
+from validation_service.request import ValidationRequest  # noqa: E402
 from validation_service.service import ServiceHandle, ValidationService  # noqa: E402
 
 __all__ = [
@@ -31,11 +33,13 @@ __all__ = [
     "JobStatus",
     "PermanentValidationError",
     "Registry",
+    "RegistryUnavailable",
     "RunNotFound",
     "ServiceHandle",
     "Settings",
     "UnknownMetric",
     "ValidationFnError",
+    "ValidationRequest",
     "ValidationService",
     "ValidationStatus",
 ]

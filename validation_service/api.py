@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
+import dataclasses
 import http
 import json
 import logging
@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import ray
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -24,16 +24,10 @@ from validation_service.errors import (
     RunNotFound,
     UnknownMetric,
 )
-from validation_service.jobs import JobStatus
-from validation_service.registry._engine import _encode_non_finite
-from validation_service.registry.records import (
-    AttemptRecord,
-    CheckpointRecord,
-    JobRecord,
-    RunRecord,
-)
+from validation_service.metrics import encode_non_finite
 from validation_service.registry.registry import Registry
 from validation_service.service import ValidationService
+from validation_service.views import checkpoint_json, job_json, run_json, tell_service
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +50,25 @@ class NonFiniteJSONResponse(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return json.dumps(
-            _encode_non_finite(content),
+            encode_non_finite(content),
             allow_nan=False,
             ensure_ascii=False,
             separators=(",", ":"),
             default=str,
         ).encode("utf-8")
+
+
+@dataclasses.dataclass
+class Ranking:
+    """The query parameters of a best-k request."""
+
+    metric: str = Query(..., description="Metric to rank by.")
+    mode: Literal["max", "min"] = Query("max", description="Higher or lower is better.")
+    k: int = Query(1, ge=1, description="How many checkpoints.")
+
+    def best(self, registry: Registry, run: str | None) -> list[dict[str, Any]]:
+        records = registry.best_checkpoint_records(run, self.metric, self.mode, self.k)
+        return [checkpoint_json(record) for record in records]
 
 
 def create_app(settings: Settings | None = None, registry: Registry | None = None) -> FastAPI:
@@ -93,9 +100,16 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
 
     # Handlers are plain `def`: Registry and Ray calls block, so FastAPI runs them in
     # its thread pool instead of on the event loop.
+    _add_query_routes(app, registry)
+    _add_job_routes(app, registry, settings)
+    _add_service_route(app, settings)
+    return app
+
+
+def _add_query_routes(app: FastAPI, registry: Registry) -> None:
     @app.get("/healthz")
     def healthz() -> JSONResponse:
-        database = registry.engine.url.render_as_string(hide_password=True)
+        database = registry.display_url
         try:
             revision = registry.schema_revision()
         except Exception as exc:  # the database is unreachable: report it, do not crash
@@ -107,69 +121,59 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
 
     @app.get("/runs")
     def list_runs() -> JSONResponse:
-        return _json([_run_json(run, registry.job_counts(run.name)) for run in registry.runs()])
+        return _json([run_json(summary) for summary in registry.run_summaries()])
 
     @app.get("/runs/{run}/checkpoints")
     def list_checkpoints(run: str) -> JSONResponse:
-        return _json([_checkpoint_json(record) for record in registry.checkpoints(run)])
+        return _json([checkpoint_json(record) for record in registry.checkpoints(run)])
 
     @app.get("/runs/{run}/best")
-    def best_of_run(
-        run: str,
-        metric: str = Query(..., description="Metric to rank by."),
-        mode: Literal["max", "min"] = Query("max", description="Higher or lower is better."),
-        k: int = Query(1, ge=1, description="How many checkpoints."),
-    ) -> JSONResponse:
-        records = registry.best_checkpoint_records(run, metric, mode, k)
-        return _json([_checkpoint_json(record) for record in records])
+    def best_of_run(run: str, ranking: Ranking = Depends()) -> JSONResponse:
+        return _json(ranking.best(registry, run))
 
     @app.get("/best")
-    def best_of_namespace(
-        metric: str = Query(..., description="Metric to rank by."),
-        mode: Literal["max", "min"] = Query("max", description="Higher or lower is better."),
-        k: int = Query(1, ge=1, description="How many checkpoints."),
-    ) -> JSONResponse:
-        records = registry.best_checkpoint_records(None, metric, mode, k)
-        return _json([_checkpoint_json(record) for record in records])
+    def best_of_namespace(ranking: Ranking = Depends()) -> JSONResponse:
+        return _json(ranking.best(registry, None))
 
     @app.get("/runs/{run}/validations")
     def list_validations(run: str) -> JSONResponse:
-        return _json([_job_json(job) for job in registry.validations(run)])
+        return _json([job_json(job) for job in registry.validations(run)])
 
     @app.get("/jobs/{job_id}")
     def get_job(job_id: int) -> JSONResponse:
-        return _json(_job_json(registry.get_job(job_id)))
+        return _json(job_json(registry.get_job(job_id)))
+
+
+def _add_job_routes(app: FastAPI, registry: Registry, settings: Settings) -> None:
+    """Cancel and retry, by job or by run; the running service is told at once."""
+
+    def changed(jobs: list[int], what: str) -> JSONResponse:
+        if jobs:
+            tell_service(settings, what)
+        return _json({"jobs": jobs})
+
+    reason = "cancelled through the HTTP API"
 
     @app.post("/jobs/{job_id}/cancel")
     def cancel_job(job_id: int) -> JSONResponse:
         registry.get_job(job_id)  # 404 for an unknown id rather than an empty answer
-        cancelled = registry.cancel_jobs([job_id], reason="cancelled through the HTTP API")
-        if cancelled:
-            _tell_service(settings, "check_leases")
-        return _json({"jobs": cancelled})
+        return changed(registry.cancel_jobs([job_id], reason=reason), "check_leases")
 
     @app.post("/runs/{run}/cancel")
     def cancel_run(run: str) -> JSONResponse:
-        cancelled = registry.cancel_jobs(run=run, reason="cancelled through the HTTP API")
-        if cancelled:
-            _tell_service(settings, "check_leases")
-        return _json({"jobs": cancelled})
+        return changed(registry.cancel_jobs(run=run, reason=reason), "check_leases")
 
     @app.post("/jobs/{job_id}/retry")
     def retry_job(job_id: int) -> JSONResponse:
         registry.get_job(job_id)
-        requeued = registry.retry_jobs([job_id])
-        if requeued:
-            _tell_service(settings, "nudge")
-        return _json({"jobs": requeued})
+        return changed(registry.retry_jobs([job_id]), "nudge")
 
     @app.post("/runs/{run}/retry")
     def retry_run(run: str) -> JSONResponse:
-        requeued = registry.retry_jobs(run=run)
-        if requeued:
-            _tell_service(settings, "nudge")
-        return _json({"jobs": requeued})
+        return changed(registry.retry_jobs(run=run), "nudge")
 
+
+def _add_service_route(app: FastAPI, settings: Settings) -> None:
     @app.get("/service")
     def service_status() -> JSONResponse:
         # Never ray.init() from a request: an API without Ray must not start a local cluster.
@@ -198,8 +202,6 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
                 f"The ckval service {settings.service_name!r} did not answer within "
                 f"{SERVICE_STATUS_TIMEOUT_S:g}s: {type(exc).__name__}: {exc}",
             )
-
-    return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -248,96 +250,3 @@ def _error(
     return NonFiniteJSONResponse(
         {"error": error, "detail": detail}, status_code=status_code, headers=headers
     )
-
-
-def _tell_service(settings: Settings, what: str) -> None:
-    """Wakes the running scheduler: a requeued job starts now, a cancelled one stops now.
-
-    Best effort: the scheduler also polls the queue and heartbeats its leases.
-    """
-    if not ray.is_initialized():
-        return
-    try:
-        handle = ValidationService.get(settings)
-        if handle is not None:
-            getattr(handle, what)()
-    except Exception:
-        logger.warning("could not reach the ckval service (%s)", what, exc_info=True)
-
-
-def _iso(value: dt.datetime | None) -> str | None:
-    return None if value is None else value.isoformat()
-
-
-def _run_json(run: RunRecord, job_counts: dict[str, int]) -> dict[str, Any]:
-    return {
-        "id": run.id,
-        "name": run.name,
-        "namespace": run.namespace,
-        "status": run.status,
-        "created_at": _iso(run.created_at),
-        "storage_root": run.storage_root,
-        "tags": run.tags,
-        "jobs": {status.value: job_counts.get(status.value, 0) for status in JobStatus},
-    }
-
-
-def _checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
-    return {
-        "id": record.id,
-        "run": record.run,
-        "report_index": record.report_index,
-        "step": record.step,
-        "epoch": record.epoch,
-        "uri": record.uri,
-        "size_bytes": record.size_bytes,
-        "manifest_sha256": record.manifest_sha256,
-        "validation_status": record.validation_status,
-        "metrics": record.metrics,
-        "reported_metrics": record.reported_metrics,
-        "validated_metrics": record.validated_metrics,
-        "created_at": _iso(record.created_at),
-    }
-
-
-def _attempt_json(attempt: AttemptRecord) -> dict[str, Any]:
-    return {
-        "attempt": attempt.attempt,
-        "status": attempt.status,
-        "lease_owner": attempt.lease_owner,
-        "node_id": attempt.node_id,
-        "worker_pid": attempt.worker_pid,
-        "claimed_at": _iso(attempt.claimed_at),
-        "started_at": _iso(attempt.started_at),
-        "finished_at": _iso(attempt.finished_at),
-        "error": attempt.error_message,
-    }
-
-
-def _job_json(job: JobRecord) -> dict[str, Any]:
-    return {
-        "id": job.id,
-        "run": job.run,
-        "checkpoint_id": job.checkpoint_id,
-        "report_index": job.report_index,
-        "status": job.status,
-        "attempt_count": job.attempts,
-        "max_attempts": job.max_attempts,
-        "priority": job.priority,
-        "pool": job.pool,
-        "resources": job.resources,
-        "executor_kind": job.executor_kind,
-        "validate_fn_name": job.validate_fn_name,
-        "timeout_s": job.timeout_s,
-        "not_before": _iso(job.not_before),
-        "lease_owner": job.lease_owner,
-        "lease_expires_at": _iso(job.lease_expires_at),
-        "result_metrics": job.result_metrics,
-        "error_type": job.error_type,
-        "error_message": job.error_message,
-        "error_traceback": job.error_traceback,
-        "created_at": _iso(job.created_at),
-        "started_at": _iso(job.started_at),
-        "finished_at": _iso(job.finished_at),
-        "attempts": [_attempt_json(attempt) for attempt in job.attempt_history],
-    }

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
 
 import click
 
 from validation_service._table import render
 from validation_service.config import get_settings
 from validation_service.errors import CkvalError
+from validation_service.jobs import JobStatus
+from validation_service.views import checkpoint_json, tell_service
 
 
 def _registry(ctx: click.Context):
@@ -93,19 +94,16 @@ def demo(epochs: int, workers: int, run_name: str | None) -> None:
 @click.pass_context
 def runs(ctx: click.Context) -> None:
     """List runs."""
-    registry = _registry(ctx)
-    rows = []
-    for run in registry.runs():
-        counts = registry.job_counts(run.name)
-        rows.append(
-            [
-                run.name,
-                run.status,
-                run.created_at,
-                len(registry.checkpoints(run.name)),
-                " ".join(f"{k}={v}" for k, v in sorted(counts.items())),
-            ]
-        )
+    rows = [
+        [
+            summary.run.name,
+            summary.run.status,
+            summary.run.created_at,
+            summary.checkpoints,
+            " ".join(f"{k}={v}" for k, v in sorted(summary.job_counts.items())),
+        ]
+        for summary in _registry(ctx).run_summaries()
+    ]
     click.echo(render(["run", "status", "created", "checkpoints", "validations"], rows))
 
 
@@ -117,7 +115,7 @@ def checkpoints(ctx: click.Context, run: str, as_json: bool) -> None:
     """List the checkpoints of RUN with their merged metrics."""
     records = _registry(ctx).checkpoints(run)
     if as_json:
-        click.echo(json.dumps([_checkpoint_json(r) for r in records], indent=1, default=str))
+        click.echo(json.dumps([checkpoint_json(r) for r in records], indent=1, default=str))
         return
     click.echo(_checkpoint_table(records))
 
@@ -133,7 +131,7 @@ def best(ctx: click.Context, run: str | None, metric: str, mode: str, k: int, as
     """The best K checkpoints of RUN (of all runs when RUN is left out) by a metric."""
     records = _registry(ctx).best_checkpoint_records(run, metric, mode, k)
     if as_json:
-        click.echo(json.dumps([_checkpoint_json(r) for r in records], indent=1, default=str))
+        click.echo(json.dumps([checkpoint_json(r) for r in records], indent=1, default=str))
         return
     others = [m for m in _metric_columns(records) if m != metric]
     click.echo(_checkpoint_table(records, [metric, *others][:6]))
@@ -216,40 +214,27 @@ def cancel(ctx: click.Context, job_ids: tuple[int, ...], run: str | None) -> Non
     if not job_ids and not run:
         raise click.UsageError("give JOB ids or --run RUN")
     done = _registry(ctx).cancel_jobs(list(job_ids) or None, run=run)
-    _tell_service(ctx, "check_leases")
+    if done:
+        tell_service(_registry(ctx).settings, "check_leases", connect=True)
     click.echo(f"cancelled {len(done)} job(s): {done}")
 
 
 @main.command()
 @click.argument("job_ids", type=int, nargs=-1)
 @click.option("--run", default=None, help="Requeue the jobs of this run.")
-@click.option("--failed", is_flag=True, help="Only FAILED/TIMED_OUT/CANCELLED jobs (the default).")
+@click.option("--failed", is_flag=True, help="Only FAILED and TIMED_OUT jobs, not CANCELLED ones.")
 @click.pass_context
 def retry(ctx: click.Context, job_ids: tuple[int, ...], run: str | None, failed: bool) -> None:
-    """Requeue failed validation jobs."""
+    """Requeue FAILED, TIMED_OUT and CANCELLED validation jobs."""
     if not job_ids and not run:
         raise click.UsageError("give JOB ids or --run RUN")
-    done = _registry(ctx).retry_jobs(list(job_ids) or None, run=run)
-    _tell_service(ctx, "nudge")
+    statuses = [JobStatus.FAILED, JobStatus.TIMED_OUT]
+    if not failed:
+        statuses.append(JobStatus.CANCELLED)
+    done = _registry(ctx).retry_jobs(list(job_ids) or None, run=run, statuses=statuses)
+    if done:
+        tell_service(_registry(ctx).settings, "nudge", connect=True)
     click.echo(f"requeued {len(done)} job(s): {done}")
-
-
-def _tell_service(ctx: click.Context, what: str) -> None:
-    """Best effort: the service also notices on its own (poll and heartbeat)."""
-    import os
-
-    import ray
-
-    if not ray.is_initialized() and not os.environ.get("CKVAL_RAY_ADDRESS"):
-        return
-    from validation_service.service import ValidationService
-
-    try:
-        handle = ValidationService.get()
-        if handle:
-            getattr(handle, what)()
-    except Exception:  # noqa: BLE001 - the registry change is what counts
-        pass
 
 
 @main.group()
@@ -262,9 +247,7 @@ def db() -> None:
 @click.pass_context
 def db_upgrade(ctx: click.Context, revision: str) -> None:
     """Migrate the registry database to REVISION."""
-    registry = _unchecked_registry(ctx)
-    registry.upgrade(revision)
-    click.echo(f"{registry}: schema at {registry.schema_revision()}")
+    _migrate_to(ctx, "upgrade", revision)
 
 
 @db.command("downgrade")
@@ -272,8 +255,12 @@ def db_upgrade(ctx: click.Context, revision: str) -> None:
 @click.pass_context
 def db_downgrade(ctx: click.Context, revision: str) -> None:
     """Migrate the registry database back to REVISION ('base' drops every table)."""
+    _migrate_to(ctx, "downgrade", revision)
+
+
+def _migrate_to(ctx: click.Context, direction: str, revision: str) -> None:
     registry = _unchecked_registry(ctx)
-    registry.downgrade(revision)
+    getattr(registry, direction)(revision)
     click.echo(f"{registry}: schema at {registry.schema_revision() or 'base'}")
 
 
@@ -365,20 +352,6 @@ def stop() -> None:
         return
     handle.stop()
     click.echo("stopped")
-
-
-def _checkpoint_json(record) -> dict[str, Any]:
-    return {
-        "run": record.run,
-        "report_index": record.report_index,
-        "uri": record.uri,
-        "validation_status": record.validation_status,
-        "metrics": record.metrics,
-        "reported_metrics": record.reported_metrics,
-        "validated_metrics": record.validated_metrics,
-        "size_bytes": record.size_bytes,
-        "created_at": record.created_at,
-    }
 
 
 if __name__ == "__main__":

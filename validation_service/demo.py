@@ -103,12 +103,29 @@ def validate_digits(checkpoint, config: dict[str, Any]) -> dict[str, float]:
     return {"accuracy": accuracy.compute().item(), "val_loss": mean_loss.compute().item()}
 
 
+def _top_checkpoints(registry, run_name: str) -> str:
+    from validation_service._table import render
+
+    best = registry.best_checkpoint_records(run_name, metric="accuracy", mode="max", k=3)
+    rows = [
+        [
+            i + 1,
+            r.epoch,
+            r.metrics.get("accuracy"),
+            r.metrics.get("val_loss"),
+            r.metrics.get("train_loss"),
+            r.uri,
+        ]
+        for i, r in enumerate(best)
+    ]
+    return render(["rank", "epoch", "accuracy", "val_loss", "train_loss", "checkpoint"], rows)
+
+
 def run_demo(epochs: int = 5, num_workers: int = 2, run_name: str | None = None) -> None:
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from validation_service._table import render
     from validation_service.config import ckval_env, get_settings
     from validation_service.registry.registry import Registry
     from validation_service.service import ValidationService
@@ -145,20 +162,8 @@ def run_demo(epochs: int = 5, num_workers: int = 2, run_name: str | None = None)
     registry.wait(run_name, timeout_s=300)
     waited = time.perf_counter() - started - trained
     print(f"all validations done {waited:.1f}s after training ended\n")
-    best = registry.best_checkpoint_records(run_name, metric="accuracy", mode="max", k=3)
-    rows = [
-        [
-            i + 1,
-            r.epoch,
-            r.metrics.get("accuracy"),
-            r.metrics.get("val_loss"),
-            r.metrics.get("train_loss"),
-            r.uri,
-        ]
-        for i, r in enumerate(best)
-    ]
     print("top-3 checkpoints by validated accuracy:")
-    print(render(["rank", "epoch", "accuracy", "val_loss", "train_loss", "checkpoint"], rows))
+    print(_top_checkpoints(registry, run_name))
     counts = registry.job_counts(run_name)
     print(f"\nvalidation jobs: {counts}")
     print(f"try: ckval best {run_name} --metric accuracy -k 3")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sqlalchemy.exc import DBAPIError
+
 
 class CkvalError(Exception):
     """Base class of every error ckval raises on purpose."""
@@ -94,5 +96,41 @@ class PermanentValidationError(CkvalError):
     """Raise this from a validate_fn to fail the job at once, without retries."""
 
 
-class StaleLease(CkvalError):
-    """A result came from an attempt whose lease was taken over; it is discarded."""
+class RegistryUnavailable(CkvalError, DBAPIError):
+    """The registry database could not be reached, or stayed locked.
+
+    Raised for lost connections (after a few quick reconnects) and for a database that
+    stays busy. It is also a sqlalchemy ``DBAPIError``, so code written against the
+    driver's errors keeps catching it; new code should catch this class instead.
+    """
+
+    def __init__(self, database: str, cause: BaseException | None = None):
+        orig = getattr(cause, "orig", cause)
+        DBAPIError.__init__(
+            self,
+            getattr(cause, "statement", None),
+            None,
+            orig,  # type: ignore[arg-type]
+            hide_parameters=True,
+            connection_invalidated=bool(getattr(cause, "connection_invalidated", False)),
+        )
+        self.database = database
+        # A lost connection, which a reconnect may cure (the Registry retries those).
+        self.disconnect = bool(getattr(cause, "connection_invalidated", False))
+        reason = f"{type(orig).__name__}: {orig}".strip() if orig is not None else "unknown"
+        self.message = (
+            f"The registry database {database} is unavailable ({reason}). Try again "
+            "once it is reachable (check CKVAL_DATABASE_URL and the server)."
+        )
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        return _registry_unavailable, (self.database, self.orig, self.connection_invalidated)
+
+
+def _registry_unavailable(database: str, orig, connection_invalidated: bool):
+    error = RegistryUnavailable(database, orig)
+    error.connection_invalidated = connection_invalidated
+    return error

@@ -70,6 +70,34 @@ def normalize_metrics(metrics: Any, *, what: str) -> dict[str, Any]:
     return plain
 
 
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def encode_non_finite(value: Any) -> Any:
+    """NaN and infinities as the strings "NaN", "Infinity", "-Infinity", at any depth.
+
+    Plain JSON has no such numbers and PostgreSQL's JSON types reject the tokens.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: encode_non_finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [encode_non_finite(v) for v in value]
+    return value
+
+
+def decode_non_finite(value: Any) -> Any:
+    """The inverse of encode_non_finite."""
+    if isinstance(value, str) and value in _NON_FINITE:
+        return _NON_FINITE[value]
+    if isinstance(value, dict):
+        return {k: decode_non_finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_non_finite(v) for v in value]
+    return value
+
+
 def rankable(metrics: dict[str, Any]) -> dict[str, float]:
     """The finite numeric metrics: the ones best_checkpoints can rank by."""
     out: dict[str, float] = {}

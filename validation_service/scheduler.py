@@ -7,17 +7,18 @@ attempts past their timeout are cancelled. All database work goes through Regist
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import uuid
-from typing import Any
 
 from validation_service.config import Settings
-from validation_service.executors import Executor, default_executors
+from validation_service.executors import AttemptHandle, Executor, default_executors
 from validation_service.registry.records import ClaimedJob, JobOutcome
 from validation_service.registry.registry import Registry
+from validation_service.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,8 @@ COALESCE_S = 0.005
 
 
 class Scheduler:
+    """Runs validations of the registry's queue with the given executors (by job kind)."""
+
     def __init__(
         self,
         registry: Registry,
@@ -33,6 +36,7 @@ class Scheduler:
         *,
         owner: str | None = None,
         executors: dict[str, Executor] | None = None,
+        retry_policy: RetryPolicy | None = None,
     ):
         self.registry = registry
         self.settings = settings
@@ -40,11 +44,15 @@ class Scheduler:
         incarnation = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.owner = owner or self.owner_prefix + incarnation
         self.executors = executors or default_executors(settings)
-        self._in_flight: dict[int, tuple[Executor, Any]] = {}  # job id -> (executor, handle)
+        # Asked what a failed attempt or a lost lease leads to; the registry records it.
+        self.retry_policy = retry_policy or RetryPolicy.from_settings(settings)
+        # job id -> (the executor running it, its attempt)
+        self._in_flight: dict[int, tuple[Executor, AttemptHandle]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._last_heartbeat = 0.0
-        self._last_expiry_scan = 0.0
+        # -inf: the first tick heartbeats and scans, whatever the monotonic clock reads.
+        self._last_heartbeat = -math.inf
+        self._last_expiry_scan = -math.inf
         self.stats = {
             "claimed": 0,
             "finished": 0,
@@ -61,7 +69,7 @@ class Scheduler:
 
     def check_leases(self) -> None:
         """Jobs were cancelled: look at the leases at once and stop their attempts."""
-        self._last_heartbeat = 0.0
+        self._last_heartbeat = -math.inf
         self._wake.set()
 
     def stop(self) -> None:
@@ -77,7 +85,9 @@ class Scheduler:
 
         One service (name) per database: its predecessor is known to be dead.
         """
-        requeued = self.registry.release_leases(self.owner_prefix, keep_owner=self.owner)
+        requeued = self.registry.release_leases(
+            self.owner_prefix, keep_owner=self.owner, policy=self.retry_policy
+        )
         if requeued:
             logger.warning(
                 "requeued %d job(s) left running by a previous incarnation: %s",
@@ -114,7 +124,7 @@ class Scheduler:
             self._heartbeat()
             self._last_heartbeat = now
         if now - self._last_expiry_scan >= self.settings.heartbeat_s:
-            requeued = self.registry.requeue_expired()
+            requeued = self.registry.requeue_expired(policy=self.retry_policy)
             if requeued:
                 logger.warning("requeued jobs with expired leases: %s", requeued)
             self._last_expiry_scan = now
@@ -145,9 +155,8 @@ class Scheduler:
     def _launch(self, job: ClaimedJob) -> None:
         executor = self.executors.get(job.executor_kind)
         if executor is None:
-            self.registry.finish_job(
-                job.job_id,
-                job.lease_token,
+            self._finish(
+                job,
                 JobOutcome(
                     succeeded=False,
                     error_type="UnknownExecutor",
@@ -171,10 +180,8 @@ class Scheduler:
             )
             return
         self._in_flight[job.job_id] = (executor, handle)
-        future = getattr(getattr(handle, "ref", None), "future", None)
-        if callable(future):
-            # Wake the loop the moment the attempt ends, not at the next poll.
-            future().add_done_callback(lambda _f: self._wake.set())
+        # Wake the loop the moment the attempt ends, not at the next poll.
+        executor.when_done(handle, self._wake.set)
 
     def _collect(self) -> None:
         for job_id, (executor, handle) in list(self._in_flight.items()):
@@ -185,7 +192,7 @@ class Scheduler:
             self._finish(handle.job, outcome)
 
     def _finish(self, job: ClaimedJob, outcome: JobOutcome) -> None:
-        if self.registry.finish_job(job.job_id, job.lease_token, outcome):
+        if self.registry.finish_job(job.job_id, job.lease_token, outcome, policy=self.retry_policy):
             self.stats["finished"] += 1
         else:
             self.stats["stale"] += 1

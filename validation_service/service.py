@@ -50,7 +50,7 @@ class _ServiceActor:
     def status(self) -> dict[str, Any]:
         return {
             "owner": self.scheduler.owner,
-            "database_url": _safe_url(self.registry),
+            "database_url": self.registry.display_url,
             "storage": self.settings.resolved_storage(),
             "pools": self.settings.pools,
             "default_pool_size": self.settings.default_pool_size,
@@ -64,10 +64,6 @@ class _ServiceActor:
     def shutdown(self) -> None:
         self.scheduler.stop()
         self._thread.join(timeout=30)
-
-
-def _safe_url(registry) -> str:
-    return registry.engine.url.render_as_string(hide_password=True)
 
 
 class ServiceHandle:

@@ -119,9 +119,7 @@ class CheckpointStorage:
                     os.makedirs(os.path.dirname(target), exist_ok=True)
                     with open(src, "rb") as fin, open(target, "wb") as fout:
                         files[rel] = _copy_hashing(fin, fout)
-                manifest = Manifest(files).to_bytes()
-                with open(os.path.join(staging, MANIFEST_NAME), "wb") as f:
-                    f.write(manifest)
+                manifest = self._write_manifest(staging, files)
                 if os.path.exists(dest):
                     shutil.rmtree(dest)
                 os.replace(staging, dest)
@@ -133,13 +131,9 @@ class CheckpointStorage:
             for rel, src in _walk(source):
                 with open(src, "rb") as fin, self.fs.open(posixpath.join(dest, rel), "wb") as fout:
                     files[rel] = _copy_hashing(fin, fout)
-            manifest = Manifest(files).to_bytes()
             # The manifest goes last: its presence marks a complete upload.
-            with self.fs.open(posixpath.join(dest, MANIFEST_NAME), "wb") as f:
-                f.write(manifest)
-        return PersistedCheckpoint(
-            self.uri_for(dest), Manifest(files).total_size, hashlib.sha256(manifest).hexdigest()
-        )
+            manifest = self._write_manifest(dest, files)
+        return self._persisted(dest, files, manifest)
 
     def adopt(self, uri: str) -> PersistedCheckpoint:
         """Registers a checkpoint already in storage (NO_UPLOAD): writes its manifest in place."""
@@ -150,12 +144,17 @@ class CheckpointStorage:
         for rel, full in self._remote_files(path):
             with self.fs.open(full, "rb") as f:
                 files[rel] = _copy_hashing(f, None)
+        return self._persisted(path, files, self._write_manifest(path, files))
+
+    def _write_manifest(self, directory: str, files: dict[str, dict[str, Any]]) -> bytes:
         manifest = Manifest(files).to_bytes()
-        with self.fs.open(posixpath.join(path, MANIFEST_NAME), "wb") as f:
+        with self.fs.open(posixpath.join(directory, MANIFEST_NAME), "wb") as f:
             f.write(manifest)
-        return PersistedCheckpoint(
-            self.uri_for(path), Manifest(files).total_size, hashlib.sha256(manifest).hexdigest()
-        )
+        return manifest
+
+    def _persisted(self, path: str, files: dict, manifest: bytes) -> PersistedCheckpoint:
+        digest = hashlib.sha256(manifest).hexdigest()
+        return PersistedCheckpoint(self.uri_for(path), Manifest(files).total_size, digest)
 
     # ----------------------------------------------------------------- verify
     def read_manifest(self, uri: str, manifest_sha256: str | None) -> Manifest:

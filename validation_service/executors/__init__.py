@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
 
-from validation_service.executors._run import ValidationContext, current_validation
+from validation_service.context import ValidationContext, current_validation
 from validation_service.registry.records import ClaimedJob, JobOutcome
 
-__all__ = ["Executor", "ValidationContext", "current_validation", "default_executors"]
+__all__ = [
+    "AttemptHandle",
+    "Executor",
+    "ValidationContext",
+    "current_validation",
+    "default_executors",
+]
+
+
+@dataclasses.dataclass
+class AttemptHandle:
+    """One launched attempt: the job it runs and when it started (time.monotonic())."""
+
+    job: ClaimedJob
+    launched_at: float
 
 
 class Executor(Protocol):
@@ -15,11 +31,15 @@ class Executor(Protocol):
 
     kind: str
 
-    def launch(self, job: ClaimedJob) -> Any: ...
+    def launch(self, job: ClaimedJob) -> AttemptHandle: ...
 
-    def poll(self, handle: Any) -> JobOutcome | None: ...
+    def poll(self, handle: AttemptHandle) -> JobOutcome | None: ...
 
-    def cancel(self, handle: Any) -> None: ...
+    def cancel(self, handle: AttemptHandle) -> None: ...
+
+    def when_done(self, handle: AttemptHandle, callback: Callable[[], None]) -> None:
+        """Calls ``callback`` (from any thread) once the attempt ends, so that the
+        scheduler collects it at once rather than at its next poll."""
 
 
 def default_executors(settings) -> dict[str, Executor]:

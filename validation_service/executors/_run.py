@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import contextvars
-import dataclasses
 import datetime as dt
-import importlib
 import os
 import shutil
 import tempfile
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 
+from validation_service.context import ValidationContext, current_validation, validation_context
 from validation_service.errors import (
     CheckpointCorrupt,
     CheckpointNotFound,
@@ -24,73 +21,20 @@ from validation_service.errors import (
 from validation_service.metrics import normalize_metrics
 from validation_service.registry.records import ClaimedJob
 from validation_service.storage import CheckpointStorage
+from validation_service.validate_fn import import_validate_fn, load_validate_fn
 
-
-@dataclasses.dataclass(frozen=True)
-class ValidationContext:
-    """Which validation is running, for validators that name things after it."""
-
-    run: str
-    namespace: str
-    report_index: int
-    job_id: int
-    attempt: int
-    checkpoint_uri: str
-    storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def stored_checkpoint(self):
-        """The checkpoint where it is stored (any node can read it), not a local copy."""
-        from validation_service.storage import ray_checkpoint
-
-        return ray_checkpoint(self.checkpoint_uri, self.storage_options)
-
-
-_current: contextvars.ContextVar[ValidationContext | None] = contextvars.ContextVar(
-    "ckval_current_validation", default=None
-)
-
-
-def current_validation() -> ValidationContext | None:
-    """The validation this code runs in (inside a validate_fn), else None."""
-    return _current.get()
+# Also importable from here, where they were first defined.
+__all__ = [
+    "ValidationContext",
+    "current_validation",
+    "import_validate_fn",
+    "load_validate_fn",
+    "run_attempt",
+]
 
 
 # Errors that cannot go away by running the same attempt again.
 _PERMANENT = (CheckpointNotFound, CheckpointCorrupt, PermanentValidationError, InvalidInput)
-
-
-def load_validate_fn(ref: str | None, pickled: bytes | None) -> Callable[..., Any]:
-    if pickled is not None:
-        return cloudpickle.loads(pickled)
-    if not ref:
-        raise InvalidInput("the job has no validate_fn")
-    return import_validate_fn(ref)
-
-
-def import_validate_fn(ref: str) -> Callable[..., Any]:
-    """Imports "package.module:function" (dots after the colon walk attributes)."""
-    module_name, sep, attr_path = ref.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise InvalidInput(
-            f"validate_fn reference {ref!r} is not of the form 'package.module:function'."
-        )
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise InvalidInput(
-            f"validate_fn reference {ref!r}: module {module_name!r} does not import ({exc}). "
-            "Install the package that defines it on the cluster, or pass the function itself."
-        ) from None
-    for part in attr_path.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise InvalidInput(
-                f"validate_fn reference {ref!r}: {module_name!r} has no attribute {attr_path!r}."
-            ) from None
-    if not callable(target):
-        raise InvalidInput(f"validate_fn reference {ref!r} names a {type(target).__name__}.")
-    return target
 
 
 def run_attempt(job: ClaimedJob, storage_root: str, storage_options: dict) -> dict[str, Any]:
@@ -105,21 +49,17 @@ def run_attempt(job: ClaimedJob, storage_root: str, storage_options: dict) -> di
         validate_fn = load_validate_fn(job.validate_fn_ref, job.validate_fn_pickle)
         config = cloudpickle.loads(job.validate_config) if job.validate_config else {}
         local_dir = storage.materialize(job.uri, job.manifest_sha256, workdir)
-        token = _current.set(
-            ValidationContext(
-                job.run,
-                job.namespace,
-                job.report_index,
-                job.job_id,
-                job.attempt,
-                job.uri,
-                storage_options,
-            )
+        context = ValidationContext(
+            job.run,
+            job.namespace,
+            job.report_index,
+            job.job_id,
+            job.attempt,
+            job.uri,
+            storage_options,
         )
-        try:
+        with validation_context(context):
             result = validate_fn(Checkpoint.from_directory(local_dir), config)
-        finally:
-            _current.reset(token)
         if not isinstance(result, dict):
             raise InvalidInput(
                 f"validate_fn {_name(validate_fn)} returned {type(result).__name__} "

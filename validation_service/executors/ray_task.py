@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from validation_service.config import Settings
+from validation_service.executors import AttemptHandle
 from validation_service.executors._run import run_attempt
 from validation_service.jobs import ExecutorKind
 from validation_service.registry.records import ClaimedJob, JobOutcome
@@ -20,10 +22,8 @@ def _validation_task(job: ClaimedJob, storage_root: str, storage_options: dict) 
 
 
 @dataclasses.dataclass
-class RayTaskHandle:
-    job: ClaimedJob
-    ref: ray.ObjectRef
-    launched_at: float
+class RayTaskHandle(AttemptHandle):
+    ref: ray.ObjectRef | None = None
 
 
 def task_options(resources: dict[str, Any]) -> dict[str, Any]:
@@ -51,7 +51,7 @@ class RayTaskExecutor:
             name=f"ckval-validate:{job.run}:{job.report_index}",
             **task_options(job.resources),
         ).remote(job, job.storage_root, self.settings.storage_options)
-        return RayTaskHandle(job, ref, time.monotonic())
+        return RayTaskHandle(job, time.monotonic(), ref)
 
     def poll(self, handle: RayTaskHandle) -> JobOutcome | None:
         ready, _ = ray.wait([handle.ref], timeout=0)
@@ -79,3 +79,6 @@ class RayTaskExecutor:
 
     def cancel(self, handle: RayTaskHandle) -> None:
         ray.cancel(handle.ref, force=True)
+
+    def when_done(self, handle: RayTaskHandle, callback: Callable[[], None]) -> None:
+        handle.ref.future().add_done_callback(lambda _future: callback())

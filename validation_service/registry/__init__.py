@@ -1,4 +1,5 @@
-"""The checkpoint registry: typed ORM models and the Registry that owns every query."""
+"""The checkpoint registry: the Registry facade over the catalog, the queue and their
+transitions, on one database layer (the only code that touches the database)."""
 
 from validation_service.registry.registry import Registry
 

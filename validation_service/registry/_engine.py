@@ -1,11 +1,10 @@
-"""Engine construction: SQLite pragmas and write locking, NaN-safe JSON, schema upgrades."""
+"""Engine construction: SQLite pragmas and write locking, NaN-safe JSON, schema locks."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import json
-import math
 import os
 import threading
 from pathlib import Path
@@ -14,37 +13,17 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
+from validation_service.metrics import decode_non_finite, encode_non_finite
+
 WRITE_OPTION = "ckval_write"
-_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def _encode_non_finite(value: Any) -> Any:
-    # PostgreSQL's JSON types reject NaN/Infinity tokens, so they are stored as strings.
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: _encode_non_finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_encode_non_finite(v) for v in value]
-    return value
-
-
-def _decode_non_finite(value: Any) -> Any:
-    if isinstance(value, str) and value in _NON_FINITE:
-        return _NON_FINITE[value]
-    if isinstance(value, dict):
-        return {k: _decode_non_finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode_non_finite(v) for v in value]
-    return value
 
 
 def json_dumps(value: Any) -> str:
-    return json.dumps(_encode_non_finite(value), allow_nan=False)
+    return json.dumps(encode_non_finite(value), allow_nan=False)
 
 
 def json_loads(text: str) -> Any:
-    return _decode_non_finite(json.loads(text))
+    return decode_non_finite(json.loads(text))
 
 
 def is_sqlite(url: str) -> bool:

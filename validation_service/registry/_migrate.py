@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-from migrations import MIGRATIONS_DIR
 from validation_service.registry._engine import WRITE_OPTION, schema_lock
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def migrations_dir() -> Path:
+    """The Alembic scripts: validation_service/migrations in an installed distribution
+    (pyproject.toml maps the repository's top-level migrations/ there), else the
+    repository's migrations/ beside validation_service/."""
+    installed = _PACKAGE / "migrations"
+    if (installed / "env.py").is_file():
+        return installed
+    return _PACKAGE.parent / "migrations"
 
 
 def alembic_config(url: str) -> Config:
     config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("script_location", str(migrations_dir()))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return config
 

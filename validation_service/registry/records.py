@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from typing import Any
+import functools
+import operator
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from validation_service.request import ValidationRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +21,15 @@ class RunRecord:
     created_at: dt.datetime
     status: str
     tags: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """A run with how many checkpoints it has and how many of its jobs are in each status."""
+
+    run: RunRecord
+    checkpoints: int
+    job_counts: dict[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +48,6 @@ class CheckpointRecord:
     metrics: dict[str, Any]
     validation_status: str
     deleted_at: dt.datetime | None
-
-    def to_ray_checkpoint(self, storage_options: dict[str, Any] | None = None):
-        from validation_service.storage import ray_checkpoint
-
-        return ray_checkpoint(self.uri, storage_options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,23 +93,27 @@ class JobRecord:
     attempt_history: tuple[AttemptRecord, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
-class JobSpec:
-    """What report() asks of a validation; stored on the job row at registration."""
+_R = TypeVar("_R")
 
-    executor_kind: str
-    pool: str
-    validate_fn_name: str
-    validate_fn_ref: str | None = None
-    validate_fn_pickle: bytes | None = None
-    validate_config: bytes | None = None
-    resources: dict[str, Any] = dataclasses.field(default_factory=dict)
-    priority: int = 0
-    timeout_s: float | None = None
-    max_attempts: int = 3
-    retry_on_timeout: bool = False
-    # "latest": registering this job cancels the run's older QUEUED jobs.
-    coalesce: str | None = None
+
+def record_from(cls: type[_R], row: Any, **given: Any) -> _R:
+    """A record of type ``cls`` with ``given`` fields, the others read off ``row``."""
+    names, read = _reader(cls, tuple(given))
+    values = dict(zip(names, read(row), strict=True))
+    values.update(given)
+    return cls(**values)
+
+
+@functools.cache
+def _reader(cls: type, given: tuple[str, ...]) -> tuple[tuple[str, ...], Callable[[Any], tuple]]:
+    """The fields of ``cls`` not given, and one getter of them all (built once per call site)."""
+    names = tuple(f.name for f in dataclasses.fields(cls) if f.name not in given)
+    getter = operator.attrgetter(*names)
+    return names, getter if len(names) > 1 else (lambda row: (getter(row),))
+
+
+# The name this record had before it moved to validation_service.request.
+JobSpec = ValidationRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +148,10 @@ class ClaimedJob:
     pool: str
     timeout_s: float | None
     lease_expires_at: dt.datetime
+    # The attempt budget: attempts made before the last `retry`, and whether a timed-out
+    # attempt may run again (what the retry policy decides from).
+    attempts_before_retry: int = 0
+    retry_on_timeout: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,221 @@
+"""The scheduler alone: a real SQLite registry and a small real executor (a thread pool that
+runs the same attempt body as the Ray task), no Ray and no service actor."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from validation_service.config import Settings
+from validation_service.executors import AttemptHandle
+from validation_service.executors._run import run_attempt
+from validation_service.registry.records import ClaimedJob, JobOutcome, ValidationRequest
+from validation_service.registry.registry import Registry
+from validation_service.retry import RetryPolicy
+from validation_service.scheduler import Scheduler
+from validation_service.storage import CheckpointStorage
+
+RUN = "sched"
+RELEASE = threading.Event()  # what blocking validations wait for
+
+
+def accuracy_of(checkpoint, config):
+    """Reads the stored checkpoint: its accuracy file, times the config's scale."""
+    with checkpoint.as_directory() as directory:
+        value = json.loads((Path(directory) / "model.json").read_text())["accuracy"]
+    return {"accuracy": value * config.get("scale", 1)}
+
+
+def always_fails(checkpoint, config):
+    raise OSError("the validation data is not reachable")
+
+
+def blocks(checkpoint, config):
+    RELEASE.wait(30)
+    return {"accuracy": 0.0}
+
+
+@dataclasses.dataclass
+class ThreadHandle(AttemptHandle):
+    future: Future | None = None
+
+
+class ThreadExecutor:
+    """Runs attempts on threads of this process; remembers what it cancelled."""
+
+    kind = "thread"
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(4)
+        self.cancelled: list[int] = []
+
+    def launch(self, job: ClaimedJob) -> ThreadHandle:
+        future = self.pool.submit(run_attempt, job, job.storage_root, {})
+        return ThreadHandle(job, time.monotonic(), future)
+
+    def poll(self, handle: ThreadHandle) -> JobOutcome | None:
+        return JobOutcome(**handle.future.result()) if handle.future.done() else None
+
+    def cancel(self, handle: ThreadHandle) -> None:
+        self.cancelled.append(handle.job.job_id)
+
+    def when_done(self, handle: ThreadHandle, callback: Callable[[], None]) -> None:
+        handle.future.add_done_callback(lambda _future: callback())
+
+
+@pytest.fixture
+def registry(tmp_path):
+    registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
+    yield registry
+    registry.close()
+
+
+@pytest.fixture
+def executor():
+    RELEASE.clear()
+    executor = ThreadExecutor()
+    yield executor
+    RELEASE.set()
+    executor.pool.shutdown(wait=True)
+
+
+def make_scheduler(registry, executor, **settings) -> Scheduler:
+    values = dict(service_name="sched-test", heartbeat_s=0.0, poll_interval_s=0.01, lease_s=60)
+    values.update(settings)
+    return Scheduler(
+        registry,
+        Settings(**values),
+        executors={executor.kind: executor},
+        retry_policy=RetryPolicy(backoff_s=0.0),
+    )
+
+
+def report(registry, tmp_path, index, validate_fn, **request):
+    storage = CheckpointStorage(str(tmp_path / "storage"))
+    source = tmp_path / f"source-{index}"
+    source.mkdir()
+    (source / "model.json").write_text(json.dumps({"accuracy": index / 10}))
+    stored = storage.upload(str(source), "default", RUN, index)
+    run_id = registry.ensure_run(RUN, storage_root=str(tmp_path / "storage"))
+    values = dict(
+        executor_kind="thread",
+        pool="CPU",
+        validate_fn_name=validate_fn,
+        validate_fn_ref=f"tests.test_scheduler:{validate_fn}",
+        validate_config=None,
+        max_attempts=2,
+    )
+    values.update(request)
+    return registry.register_checkpoint(
+        run_id,
+        index,
+        uri=stored.uri,
+        size_bytes=stored.size_bytes,
+        manifest_sha256=stored.manifest_sha256,
+        reported_metrics={"loss": 1.0 - index / 10},
+        job=ValidationRequest(**values),
+    ).job_id
+
+
+def tick_until(scheduler, condition, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not reached within {timeout_s}s; stats {scheduler.stats}")
+        scheduler.tick()
+        time.sleep(0.01)
+
+
+def statuses(registry):
+    return [job.status for job in registry.validations(RUN)]
+
+
+def test_runs_due_jobs_and_merges_their_metrics(registry, executor, tmp_path):
+    for index in range(3):
+        report(registry, tmp_path, index, "accuracy_of")
+    scheduler = make_scheduler(registry, executor)
+    thread = threading.Thread(target=scheduler.run_forever)
+    thread.start()
+    try:
+        registry.wait(RUN, timeout_s=30)
+    finally:
+        scheduler.stop()
+        thread.join(10)
+    assert statuses(registry) == ["SUCCEEDED"] * 3
+    assert [c.metrics["accuracy"] for c in registry.checkpoints(RUN)] == [0.0, 0.1, 0.2]
+    [(_, best)] = registry.best_checkpoints(RUN, "accuracy")
+    assert best["accuracy"] == 0.2
+    assert scheduler.stats["claimed"] == scheduler.stats["finished"] == 3
+    assert scheduler.in_flight == 0
+
+
+def test_failures_follow_the_schedulers_retry_policy(registry, executor, tmp_path):
+    job_id = report(registry, tmp_path, 0, "always_fails", max_attempts=2)
+    scheduler = make_scheduler(registry, executor)
+    tick_until(scheduler, lambda: statuses(registry) == ["FAILED"])
+    job = registry.get_job(job_id)
+    assert job.attempts == 2 and job.error_type == "OSError"
+    assert [a.status for a in job.attempt_history] == ["FAILED", "FAILED"]
+    assert "not reachable" in job.error_message
+
+
+def test_pool_limit_caps_attempts_in_flight(registry, executor, tmp_path):
+    for index in range(3):
+        report(registry, tmp_path, index, "blocks")
+    scheduler = make_scheduler(registry, executor, pools={"CPU": 1})
+    for _ in range(3):
+        scheduler.tick()
+    assert scheduler.in_flight == 1
+    assert sorted(statuses(registry)) == ["QUEUED", "QUEUED", "RUNNING"]
+    RELEASE.set()
+    tick_until(scheduler, lambda: statuses(registry) == ["SUCCEEDED"] * 3)
+
+
+def test_an_attempt_past_its_timeout_is_cancelled_and_recorded(registry, executor, tmp_path):
+    job_id = report(registry, tmp_path, 0, "blocks", timeout_s=0.2)
+    scheduler = make_scheduler(registry, executor)
+    tick_until(scheduler, lambda: statuses(registry) == ["TIMED_OUT"])
+    assert executor.cancelled == [job_id]
+    assert registry.get_job(job_id).error_type == "TimeoutError"
+    assert scheduler.stats["timed_out"] == 1 and scheduler.in_flight == 0
+
+
+def test_a_cancelled_job_stops_its_attempt_at_the_next_lease_check(registry, executor, tmp_path):
+    job_id = report(registry, tmp_path, 0, "blocks")
+    scheduler = make_scheduler(registry, executor, heartbeat_s=3600)
+    tick_until(scheduler, lambda: scheduler.in_flight == 1)
+    registry.cancel_jobs([job_id])
+    scheduler.check_leases()
+    scheduler.tick()
+    assert executor.cancelled == [job_id] and scheduler.in_flight == 0
+    assert statuses(registry) == ["CANCELLED"]
+
+
+def test_a_job_of_an_unknown_kind_fails_without_retries(registry, executor, tmp_path):
+    job_id = report(registry, tmp_path, 0, "accuracy_of", executor_kind="nowhere")
+    scheduler = make_scheduler(registry, executor)
+    scheduler.tick()
+    job = registry.get_job(job_id)
+    assert (job.status, job.error_type, job.attempts) == ("FAILED", "UnknownExecutor", 1)
+
+
+def test_recover_requeues_what_an_earlier_incarnation_left_running(registry, executor, tmp_path):
+    job_id = report(registry, tmp_path, 0, "accuracy_of")
+    [claimed] = registry.claim_due_jobs("sched-test/old-host:1", {}, lease_s=600)
+    other = registry.claim_due_jobs("other-service/x", {}, lease_s=600)
+    assert claimed.job_id == job_id and other == []
+    scheduler = make_scheduler(registry, executor)
+    assert scheduler.recover() == [job_id]
+    tick_until(scheduler, lambda: statuses(registry) == ["SUCCEEDED"])
+    job = registry.get_job(job_id)
+    assert [a.lease_owner for a in job.attempt_history] == [
+        "sched-test/old-host:1",
+        scheduler.owner,
+    ]

@@ -1,0 +1,344 @@
+"""The checkpoint catalog: runs, checkpoints, their metric values, best-k, and the merge of
+validated metrics. Reads and writes runs, checkpoints and metric_values only."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from sqlalchemy import bindparam, delete, func, insert, select, update
+from sqlalchemy.engine import Connection, Row
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from validation_service.errors import InvalidInput, RunNotFound
+from validation_service.jobs import MetricSource, RunStatus, ValidationStatus
+from validation_service.metrics import normalize_metrics, rankable
+from validation_service.registry.database import Database
+from validation_service.registry.models import Checkpoint, MetricValue, Run, utcnow
+from validation_service.registry.records import CheckpointRecord, RunRecord, record_from
+
+Mode = Literal["max", "min"]
+
+_checkpoints, _values, _runs = Checkpoint.__table__, MetricValue.__table__, Run.__table__
+
+
+class Catalog:
+    """Runs and checkpoints of one namespace, and the metric values that rank them."""
+
+    def __init__(self, db: Database, namespace: str):
+        self.db = db
+        self.namespace = namespace
+
+    # ------------------------------------------------------------------- runs
+    def ensure_run(self, name: str, *, storage_root: str, tags: dict[str, Any] | None) -> int:
+        for _ in range(3):
+            run_id = self.find_run_id(name)
+            if run_id is not None:
+                return run_id
+            row = {
+                "name": name,
+                "namespace": self.namespace,
+                "storage_root": storage_root,
+                "tags": tags or {},
+                "created_at": utcnow(),
+                "status": RunStatus.RUNNING.value,
+            }
+            try:
+                with self.db.write() as conn:
+                    return conn.execute(_INSERT_RUN, row).scalar_one()
+            except IntegrityError:
+                continue  # another reporter created it first
+        raise RuntimeError(f"could not create or find run {name!r}")
+
+    def find_run_id(self, name: str) -> int | None:
+        check_run_name(name)
+        with self.db.read() as session:
+            return session.scalar(self._run_id_query(name))
+
+    def runs(self, session: Session) -> list[RunRecord]:
+        rows = session.scalars(
+            select(Run).where(Run.namespace == self.namespace).order_by(Run.id)
+        ).all()
+        return [run_record(r) for r in rows]
+
+    def checkpoint_counts(self, session: Session) -> dict[int, int]:
+        """Run id -> its checkpoints that are not deleted, for every run of the namespace."""
+        query = (
+            select(Checkpoint.run_id, func.count(Checkpoint.id))
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(Run.namespace == self.namespace, Checkpoint.deleted_at.is_(None))
+            .group_by(Checkpoint.run_id)
+        )
+        return dict(session.execute(query).all())
+
+    def require_run_id(self, session: Session, name: str) -> int:
+        run_id = session.scalar(self._run_id_query(name))
+        if run_id is None:
+            known = session.scalars(
+                select(Run.name).where(Run.namespace == self.namespace).limit(50)
+            ).all()
+            raise RunNotFound(name, self.namespace, list(known))
+        return run_id
+
+    def _run_id_query(self, name: str):
+        return select(Run.id).where(Run.namespace == self.namespace, Run.name == name)
+
+    # ---------------------------------------------------------- checkpoints
+    def next_report_index(self, run_id: int) -> int:
+        with self.db.read() as session:
+            current = session.scalar(
+                select(func.max(Checkpoint.report_index)).where(Checkpoint.run_id == run_id)
+            )
+            return 0 if current is None else current + 1
+
+    def insert_checkpoint(self, conn: Connection, row: dict[str, Any]) -> int:
+        """Adds a checkpoints row (see checkpoint_row) and its reported metric values."""
+        checkpoint_id = conn.execute(_INSERT_CHECKPOINT, row).scalar_one()
+        values = metric_rows(checkpoint_id, row["run_id"], row["metrics"], MetricSource.REPORTED)
+        if values:
+            conn.execute(_INSERT_METRIC_VALUE, values)
+        return checkpoint_id
+
+    def find_checkpoint_id(self, session: Session, run_id: int, report_index: int) -> int | None:
+        return session.scalar(
+            select(Checkpoint.id).where(
+                Checkpoint.run_id == run_id, Checkpoint.report_index == report_index
+            )
+        )
+
+    def import_checkpoints(self, run_id: int, checkpoints: Sequence[dict[str, Any]]) -> int:
+        now = utcnow()
+        rows = []
+        for item in checkpoints:
+            row = checkpoint_row(
+                run_id,
+                item["report_index"],
+                item.get("step"),
+                item.get("epoch"),
+                item["uri"],
+                item.get("size_bytes", 0),
+                item.get("manifest_sha256"),
+                normalize_metrics(item.get("metrics", {}), what="imported metrics"),
+            )
+            row.update(created_at=now, validation_status=ValidationStatus.NONE.value)
+            rows.append(row)
+        if not rows:
+            return 0
+        with self.db.write() as conn:
+            ids = conn.execute(_INSERT_CHECKPOINTS_IN_ORDER, rows).scalars().all()
+            values = [
+                value
+                for checkpoint_id, row in zip(ids, rows, strict=True)
+                for value in metric_rows(
+                    checkpoint_id, run_id, row["metrics"], MetricSource.REPORTED
+                )
+            ]
+            if values and conn.dialect.name == "postgresql":
+                _copy_metric_values(conn, values)
+            elif values:
+                conn.execute(_INSERT_METRIC_VALUE, values)
+        return len(rows)
+
+    def checkpoints(self, run: str, *, include_deleted: bool) -> list[CheckpointRecord]:
+        with self.db.read() as session:
+            run_id = self.require_run_id(session, run)
+            query = select(*_RECORD_COLUMNS).where(Checkpoint.run_id == run_id)
+            if not include_deleted:
+                query = query.where(Checkpoint.deleted_at.is_(None))
+            rows = session.execute(query.order_by(Checkpoint.report_index)).all()
+            return [checkpoint_record(c, run) for c in rows]
+
+    def latest(self, run: str) -> CheckpointRecord | None:
+        with self.db.read() as session:
+            run_id = self.require_run_id(session, run)
+            row = session.execute(
+                select(*_RECORD_COLUMNS)
+                .where(Checkpoint.run_id == run_id, Checkpoint.deleted_at.is_(None))
+                .order_by(Checkpoint.report_index.desc())
+                .limit(1)
+            ).first()
+            return None if row is None else checkpoint_record(row, run)
+
+    def best(
+        self, session: Session, run: str | None, metric: str, mode: Mode, k: int
+    ) -> list[CheckpointRecord]:
+        """Top-k by the effective (merged, finite) values of a metric; ties: earlier report."""
+        if mode not in ("max", "min"):
+            raise InvalidInput(f"mode must be 'max' or 'min', got {mode!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise InvalidInput(f"k must be a positive int, got {k!r}")
+        params = {"b_metric": metric, "b_namespace": self.namespace, "b_run": run, "b_k": k}
+        rows = session.execute(_best_query(mode, run is not None), params).all()
+        return [checkpoint_record(row, row.run_name) for row in rows]
+
+    def known_metrics(self, session: Session, run_id: int | None) -> set[str]:
+        """Names of the metrics recorded for the run (any run of the namespace: None)."""
+        query = select(Checkpoint.reported_metrics, Checkpoint.validated_metrics)
+        if run_id is not None:
+            query = query.where(Checkpoint.run_id == run_id)
+        else:
+            query = query.join(Run).where(Run.namespace == self.namespace)
+        known: set[str] = set()
+        for reported, validated in session.execute(query.limit(10_000)):
+            known.update(reported or {})
+            known.update(validated or {})
+        return known
+
+    def delete_checkpoint(self, checkpoint_id: int) -> None:
+        with self.db.write() as conn:
+            conn.execute(
+                update(_checkpoints)
+                .where(_checkpoints.c.id == checkpoint_id)
+                .values(deleted_at=utcnow())
+            )
+            conn.execute(
+                update(_values)
+                .where(_values.c.checkpoint_id == checkpoint_id)
+                .values(effective=False)
+            )
+
+    def merge_validated(self, conn: Connection, job: Row, validated: dict[str, Any]) -> dict:
+        """Ranks a job's validated metrics (``job``: a transitions.running_job row); returns
+        the checkpoint's new metric columns, for the job's finish to set with its status."""
+        # Re-validation replaces the earlier validated values instead of adding to them.
+        conn.execute(_DELETE_VALIDATED_VALUES, {"b_checkpoint_id": job.checkpoint_id})
+        # A validated value hides the reported one of the same name; a checkpoint deleted
+        # while it was validated stays out of every ranking.
+        ranked = job.deleted_at is None
+        if not ranked:
+            effective: Any = False
+        elif validated:
+            effective = _values.c.name.not_in(list(validated))
+        else:
+            effective = True
+        conn.execute(
+            update(_values)
+            .where(_values.c.checkpoint_id == job.checkpoint_id)
+            .values(effective=effective)
+        )
+        values = metric_rows(
+            job.checkpoint_id, job.run_id, validated, MetricSource.VALIDATED, effective=ranked
+        )
+        if values:
+            conn.execute(_INSERT_METRIC_VALUE, values)
+        return {"validated_metrics": validated, "metrics": {**job.reported_metrics, **validated}}
+
+
+@functools.cache
+def _best_query(mode: Mode, by_run: bool):
+    """Top-k by one metric, built once per (mode, one run or all): best-k is the hot read.
+
+    One statement: the metric index gives the order, the joins add the rows.
+    """
+    order = MetricValue.value.desc() if mode == "max" else MetricValue.value.asc()
+    conditions = [
+        MetricValue.name == bindparam("b_metric"),
+        # "= true", not "IS true": only an equality lets the index give the order.
+        MetricValue.effective == True,  # noqa: E712
+        Run.namespace == bindparam("b_namespace"),
+    ]
+    if by_run:
+        conditions.append(Run.name == bindparam("b_run"))
+    return (
+        select(*_RECORD_COLUMNS, Run.name.label("run_name"))
+        .join(MetricValue, MetricValue.checkpoint_id == Checkpoint.id)
+        .join(Run, Run.id == MetricValue.run_id)
+        .where(*conditions)
+        .order_by(order, MetricValue.checkpoint_id.asc())
+        .limit(bindparam("b_k"))
+    )
+
+
+def checkpoint_row(
+    run_id, report_index, step, epoch, uri, size_bytes, manifest_sha256, metrics
+) -> dict[str, Any]:
+    """A checkpoints row; the caller sets created_at and validation_status."""
+    return {
+        "run_id": run_id,
+        "report_index": report_index,
+        "step": step,
+        "epoch": epoch,
+        "uri": uri,
+        "size_bytes": size_bytes,
+        "manifest_sha256": manifest_sha256,
+        "created_at": None,
+        "reported_metrics": metrics,
+        "metrics": metrics,
+        "validation_status": None,
+        "deleted_at": None,
+    }
+
+
+def metric_rows(
+    checkpoint_id: int,
+    run_id: int,
+    metrics: dict[str, Any],
+    source: MetricSource,
+    *,
+    effective: bool = True,
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "checkpoint_id": checkpoint_id,
+            "run_id": run_id,
+            "name": name,
+            "source": source.value,
+            "value": value,
+            "effective": effective,
+        }
+        for name, value in rankable(metrics).items()
+    ]
+
+
+def check_run_name(name: str) -> None:
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidInput(f"run name must be a non-empty str, got {name!r}")
+    if len(name) > 255 or any(c in name for c in "\x00/\\") or name in (".", ".."):
+        raise InvalidInput(
+            f"run name {name!r} is not allowed: use at most 255 characters, "
+            "no '/', '\\' or NUL, and not '.' or '..'"
+        )
+
+
+def run_record(run: Run) -> RunRecord:
+    return record_from(RunRecord, run)
+
+
+def checkpoint_record(c: Row, run: str) -> CheckpointRecord:
+    """A record from a row of _RECORD_COLUMNS (a plain row: no ORM object to build)."""
+    return record_from(CheckpointRecord, c, run=run)
+
+
+_RECORD_COLUMNS = tuple(
+    _checkpoints.c[f.name] for f in dataclasses.fields(CheckpointRecord) if f.name != "run"
+)
+_METRIC_VALUE_COLUMNS = ("checkpoint_id", "run_id", "name", "source", "value", "effective")
+
+
+def _copy_metric_values(conn: Connection, values: list[dict[str, Any]]) -> None:
+    """PostgreSQL's COPY for a bulk import's metric values (several times faster)."""
+    columns = ", ".join(_METRIC_VALUE_COLUMNS)
+    cursor = conn.connection.dbapi_connection.cursor()
+    try:
+        with cursor.copy(f"COPY metric_values ({columns}) FROM STDIN") as copy:
+            for value in values:
+                copy.write_row([value[name] for name in _METRIC_VALUE_COLUMNS])
+    finally:
+        cursor.close()
+
+
+# Statements built once, values bound per call (SQLAlchemy then reuses the compiled form
+# instead of rebuilding it from .values()): register_checkpoint runs once per report.
+_INSERT_RUN = insert(_runs).returning(_runs.c.id)
+_INSERT_CHECKPOINT = insert(_checkpoints).returning(_checkpoints.c.id)
+_INSERT_METRIC_VALUE = insert(_values)
+_INSERT_CHECKPOINTS_IN_ORDER = insert(_checkpoints).returning(
+    _checkpoints.c.id, sort_by_parameter_order=True
+)
+_DELETE_VALIDATED_VALUES = delete(_values).where(
+    _values.c.checkpoint_id == bindparam("b_checkpoint_id"),
+    _values.c.source == MetricSource.VALIDATED.value,
+)

@@ -1,0 +1,260 @@
+"""The validation queue: what is due, claims, leases, and the jobs a change applies to.
+
+Every change of a job's state goes through transitions.py; this module finds the jobs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Sequence
+
+from sqlalchemy import bindparam, func, select, text
+from sqlalchemy.engine import Connection, Row
+from sqlalchemy.orm import Session, selectinload
+
+from validation_service.errors import JobNotFound
+from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus
+from validation_service.registry import transitions
+from validation_service.registry.database import Database
+from validation_service.registry.models import Checkpoint, Run, ValidationJob, utcnow
+from validation_service.registry.records import (
+    AttemptRecord,
+    ClaimedJob,
+    JobRecord,
+    record_from,
+)
+
+_ACTIVE = sorted(s.value for s in ACTIVE_JOB_STATUSES)
+_jobs = ValidationJob.__table__
+
+# What a transition needs to know of a job it applies to (see transitions.py).
+LEASE_COLUMNS = (
+    _jobs.c.id,
+    _jobs.c.status,
+    _jobs.c.lease_token,
+    _jobs.c.lease_owner,
+    _jobs.c.lease_expires_at,
+    _jobs.c.checkpoint_id,
+    _jobs.c.attempts,
+    _jobs.c.attempts_before_retry,
+    _jobs.c.max_attempts,
+)
+
+
+class Queue:
+    """Validation jobs: claims and leases in their own transactions, reads for the rest."""
+
+    def __init__(self, db: Database):
+        self.db = db
+
+    # ----------------------------------------------------------------- reads
+    def validations(self, session: Session, run_id: int, run: str) -> list[JobRecord]:
+        rows = session.execute(
+            select(ValidationJob, Checkpoint.report_index)
+            .join(Checkpoint, Checkpoint.id == ValidationJob.checkpoint_id)
+            .options(selectinload(ValidationJob.attempt_rows))
+            .where(ValidationJob.run_id == run_id)
+            .order_by(ValidationJob.id)
+        ).all()
+        return [job_record(job, run, index) for job, index in rows]
+
+    def get_job(self, job_id: int) -> JobRecord:
+        with self.db.read() as session:
+            row = session.execute(
+                select(ValidationJob, Checkpoint.report_index, Run.name)
+                .join(Checkpoint, Checkpoint.id == ValidationJob.checkpoint_id)
+                .join(Run, Run.id == ValidationJob.run_id)
+                .options(selectinload(ValidationJob.attempt_rows))
+                .where(ValidationJob.id == job_id)
+            ).first()
+            if row is None:
+                raise JobNotFound(job_id)
+            job, index, run = row
+            return job_record(job, run, index)
+
+    def job_counts(self, session: Session, run_id: int | None) -> dict[str, int]:
+        query = select(ValidationJob.status, func.count(ValidationJob.id)).group_by(
+            ValidationJob.status
+        )
+        if run_id is not None:
+            query = query.where(ValidationJob.run_id == run_id)
+        return {status: count for status, count in session.execute(query)}
+
+    def job_counts_by_run(self, session: Session, namespace: str) -> dict[int, dict[str, int]]:
+        """Run id -> {status: jobs}, for every run of the namespace, in one query."""
+        query = (
+            select(ValidationJob.run_id, ValidationJob.status, func.count(ValidationJob.id))
+            .join(Run, Run.id == ValidationJob.run_id)
+            .where(Run.namespace == namespace)
+            .group_by(ValidationJob.run_id, ValidationJob.status)
+        )
+        counts: dict[int, dict[str, int]] = {}
+        for run_id, status, count in session.execute(query):
+            counts.setdefault(run_id, {})[status] = count
+        return counts
+
+    def active_count(self, session: Session, run_id: int | None) -> int:
+        """QUEUED and RUNNING jobs of the run (of every run: None)."""
+        query = select(func.count(_jobs.c.id)).where(_jobs.c.status.in_(_ACTIVE))
+        if run_id is not None:
+            query = query.where(_jobs.c.run_id == run_id)
+        return session.scalar(query) or 0
+
+    def find_job_id(self, session: Session, run_id: int, report_index: int) -> int | None:
+        key = transitions.idempotency_key(run_id, report_index)
+        return session.scalar(select(_jobs.c.id).where(_jobs.c.idempotency_key == key))
+
+    def due_pools(self, now: dt.datetime | None = None) -> list[str]:
+        with self.db.read() as session:
+            return _due_pools(session, now or utcnow())
+
+    # ------------------------------------------------------- claims, leases
+    def claim_due(
+        self,
+        owner: str,
+        pool_limits: dict[str, int],
+        *,
+        lease_s: float,
+        default_limit: int,
+        max_jobs: int,
+    ) -> list[ClaimedJob]:
+        now = utcnow()
+        expires = now + dt.timedelta(seconds=lease_s)
+        claimed: list[ClaimedJob] = []
+        with self.db.write() as conn:
+            running = dict(conn.execute(_RUNNING_PER_POOL).all())
+            for pool in _due_pools(conn, now):
+                free = pool_limits.get(pool, default_limit) - running.get(pool, 0)
+                free = min(free, max_jobs - len(claimed))
+                if free <= 0:
+                    continue
+                ids = _lock_due_job_ids(conn, pool, now, free)
+                if ids:
+                    rows = transitions.claim(conn, ids, owner=owner, expires=expires, now=now)
+                    claimed.extend(claimed_job(row, expires) for row in rows)
+        return claimed
+
+    def heartbeat(
+        self, owner: str, leases: Iterable[tuple[int, int]], *, lease_s: float
+    ) -> set[int]:
+        leases = list(leases)
+        if not leases:
+            return set()
+        expires = utcnow() + dt.timedelta(seconds=lease_s)
+        with self.db.write() as conn:
+            return transitions.extend_leases(conn, owner, leases, expires)
+
+    # --------------------------------------------- jobs a transition applies to
+    def expired(self, conn: Connection, now: dt.datetime) -> Sequence[Row]:
+        """RUNNING jobs whose lease ran out."""
+        return conn.execute(
+            select(*LEASE_COLUMNS).where(
+                _jobs.c.status == JobStatus.RUNNING.value, _jobs.c.lease_expires_at < now
+            )
+        ).all()
+
+    def leased_by_others(self, conn: Connection, owner_prefix: str, keep_owner: str):
+        """RUNNING jobs leased by owners named ``owner_prefix...`` other than ``keep_owner``."""
+        return conn.execute(
+            select(*LEASE_COLUMNS).where(
+                _jobs.c.status == JobStatus.RUNNING.value,
+                _jobs.c.lease_owner.startswith(owner_prefix, autoescape=True),
+                _jobs.c.lease_owner != keep_owner,
+            )
+        ).all()
+
+    def select_jobs(
+        self,
+        conn: Connection,
+        statuses: Iterable[JobStatus],
+        job_ids: Sequence[int] | None,
+        run_id: int | None,
+    ) -> Sequence[Row]:
+        """Jobs in these statuses, by id and/or run, in id order."""
+        query = select(*LEASE_COLUMNS).where(_jobs.c.status.in_([s.value for s in statuses]))
+        if job_ids is not None:
+            query = query.where(_jobs.c.id.in_(list(job_ids)))
+        if run_id is not None:
+            query = query.where(_jobs.c.run_id == run_id)
+        return conn.execute(query.order_by(_jobs.c.id)).all()
+
+    def queued_before(self, conn: Connection, run_id: int, report_index: int) -> Sequence[Row]:
+        """The run's QUEUED jobs of reports older than ``report_index``."""
+        checkpoints = Checkpoint.__table__
+        return conn.execute(
+            select(*LEASE_COLUMNS)
+            .join(checkpoints, checkpoints.c.id == _jobs.c.checkpoint_id)
+            .where(
+                _jobs.c.run_id == run_id,
+                _jobs.c.status == JobStatus.QUEUED.value,
+                checkpoints.c.report_index < report_index,
+            )
+            .order_by(_jobs.c.id)
+        ).all()
+
+
+def _due_pools(conn: Connection | Session, now: dt.datetime) -> list[str]:
+    params = {"queued": JobStatus.QUEUED.value, "now": now}
+    return [pool for pool, due in conn.execute(_DUE_POOLS, params) if due]
+
+
+def _lock_due_job_ids(conn: Connection, pool: str, now: dt.datetime, limit: int) -> list[int]:
+    # FOR UPDATE SKIP LOCKED lets several schedulers claim from one PostgreSQL queue
+    # without blocking on each other's rows. SQLite ignores it: there the whole
+    # transaction holds the write lock (BEGIN IMMEDIATE, see _engine.py).
+    query = (
+        select(_jobs.c.id)
+        .where(
+            _jobs.c.status == JobStatus.QUEUED.value,
+            _jobs.c.pool == pool,
+            _jobs.c.not_before <= now,
+        )
+        .order_by(_jobs.c.priority.desc(), _jobs.c.id.asc())
+        .limit(limit)
+    )
+    if conn.dialect.name == "postgresql":
+        query = query.with_for_update(skip_locked=True)
+    return list(conn.execute(query).scalars())
+
+
+# Called on every scheduler tick, so it must not read the whole queue: a loose index scan
+# visits one index entry per pool (a recursive MIN(pool) > previous), then looks for a due
+# job within each of those pools. Raw SQL: the recursive scan has no portable ORM form.
+_DUE_POOLS = text(
+    """
+    WITH RECURSIVE queued(pool) AS (
+        SELECT (
+            SELECT pool FROM validation_jobs WHERE status = :queued ORDER BY pool LIMIT 1
+        )
+        UNION ALL
+        SELECT (
+            SELECT pool FROM validation_jobs
+            WHERE status = :queued AND pool > queued.pool ORDER BY pool LIMIT 1
+        )
+        FROM queued WHERE queued.pool IS NOT NULL
+    )
+    SELECT pool, (
+        SELECT 1 FROM validation_jobs AS job
+        WHERE job.status = :queued AND job.pool = queued.pool AND job.not_before <= :now
+        LIMIT 1
+    ) AS due
+    FROM queued WHERE pool IS NOT NULL
+    """
+).bindparams(bindparam("now", type_=_jobs.c.not_before.type))
+_RUNNING_PER_POOL = (
+    select(_jobs.c.pool, func.count(_jobs.c.id))
+    .where(_jobs.c.status == JobStatus.RUNNING.value)
+    .group_by(_jobs.c.pool)
+)
+
+
+def claimed_job(row, expires: dt.datetime) -> ClaimedJob:
+    """A claimed job (a transitions.claim row), as the executor gets it."""
+    return record_from(
+        ClaimedJob, row, job_id=row.job_id, attempt=row.attempts, lease_expires_at=expires
+    )
+
+
+def job_record(job: ValidationJob, run: str, report_index: int) -> JobRecord:
+    attempts = tuple(record_from(AttemptRecord, a) for a in job.attempt_rows)
+    return record_from(JobRecord, job, run=run, report_index=report_index, attempt_history=attempts)

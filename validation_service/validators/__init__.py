@@ -1,0 +1,8 @@
+"""Validators: ready-made validate_fns for the patterns in the Ray docs (a Ray Data
+``map_batches`` job, an eval-only ``TorchTrainer``). They run inside an attempt; how an
+attempt runs is the executors' business."""
+
+from validation_service.validators.map_batches import MapBatchesValidator
+from validation_service.validators.torch_trainer import TorchTrainerValidator
+
+__all__ = ["MapBatchesValidator", "TorchTrainerValidator"]

@@ -1,0 +1,92 @@
+"""What the CLI and the HTTP API share: records as JSON, and waking the running service."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Any
+
+from validation_service.config import Settings
+from validation_service.jobs import JobStatus
+from validation_service.registry.records import (
+    AttemptRecord,
+    CheckpointRecord,
+    JobRecord,
+    RunSummary,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def tell_service(settings: Settings, what: str, *, connect: bool = False) -> None:
+    """Wakes the running scheduler: a requeued job starts now, a cancelled one stops now.
+
+    ``what`` is "nudge" or "check_leases". Best effort: the scheduler also polls the queue
+    and heartbeats its leases. Without Ray in this process nothing happens, unless
+    ``connect`` and a cluster address is configured (CKVAL_RAY_ADDRESS): a command line
+    may connect, an HTTP request never starts Ray.
+    """
+    import ray
+
+    if not ray.is_initialized() and not (connect and settings.ray_address):
+        return
+    from validation_service.service import ValidationService
+
+    try:
+        handle = ValidationService.get(settings)
+        if handle is not None:
+            getattr(handle, what)()
+    except Exception:  # noqa: BLE001 - the registry change is what counts
+        logger.warning("could not reach the ckval service (%s)", what, exc_info=True)
+
+
+def iso(value: dt.datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def _pick(record: Any, fields: str, **renamed: str) -> dict[str, Any]:
+    """The named fields of a record (``renamed``: JSON key -> field), times in ISO 8601."""
+    picked = {}
+    for key in fields.split():
+        value = getattr(record, renamed.get(key, key))
+        picked[key] = iso(value) if isinstance(value, dt.datetime) else value
+    return picked
+
+
+def run_json(summary: RunSummary) -> dict[str, Any]:
+    counts = summary.job_counts
+    return {
+        **_pick(summary.run, "id name namespace status created_at storage_root tags"),
+        "checkpoints": summary.checkpoints,
+        "jobs": {status.value: counts.get(status.value, 0) for status in JobStatus},
+    }
+
+
+def checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
+    return _pick(
+        record,
+        "id run report_index step epoch uri size_bytes manifest_sha256 validation_status "
+        "metrics reported_metrics validated_metrics created_at",
+    )
+
+
+def attempt_json(attempt: AttemptRecord) -> dict[str, Any]:
+    return _pick(
+        attempt,
+        "attempt status lease_owner node_id worker_pid claimed_at started_at finished_at error",
+        error="error_message",
+    )
+
+
+def job_json(job: JobRecord) -> dict[str, Any]:
+    return {
+        **_pick(
+            job,
+            "id run checkpoint_id report_index status attempt_count max_attempts priority pool "
+            "resources executor_kind validate_fn_name timeout_s not_before lease_owner "
+            "lease_expires_at result_metrics error_type error_message error_traceback "
+            "created_at started_at finished_at",
+            attempt_count="attempts",
+        ),
+        "attempts": [attempt_json(attempt) for attempt in job.attempt_history],
+    }
