@@ -54,8 +54,11 @@ _NO_LEASE = {"lease_owner": None, "lease_expires_at": None}
 _NO_ERROR = {"error_type": None, "error_message": None, "error_traceback": None}
 
 
-def _from(transition: str) -> list[str]:
-    return sorted(status.value for status in FROM_STATES[transition])
+def _in_from_states(transition: str):
+    """The WHERE clause "the job is in a state this transition starts from"."""
+    states = sorted(status.value for status in FROM_STATES[transition])
+    # One state: an equality, which compiles once (an IN list is expanded per execution).
+    return _jobs.c.status == states[0] if len(states) == 1 else _jobs.c.status.in_(states)
 
 
 # ------------------------------------------------------------------ enqueue
@@ -148,7 +151,7 @@ def extend_leases(
 ) -> set[int]:
     """Moves the expiry of the leases ``owner`` still holds; returns those jobs' ids."""
     held = and_(
-        _jobs.c.status.in_(_from("extend_leases")),
+        _in_from_states("extend_leases"),
         _jobs.c.lease_owner == owner,
         or_(
             *(and_(_jobs.c.id == job_id, _jobs.c.lease_token == token) for job_id, token in leases)
@@ -239,7 +242,7 @@ def expire(
         .where(
             _jobs.c.id == job.id,
             _jobs.c.lease_token == job.lease_token,
-            _jobs.c.status.in_(_from("expire")),
+            _in_from_states("expire"),
         )
         .values(values)
     ).rowcount
@@ -303,7 +306,7 @@ def _move(
         return []
     changed = conn.execute(
         update(_jobs)
-        .where(_jobs.c.id.in_([job.id for job in jobs]), _jobs.c.status.in_(_from(transition)))
+        .where(_jobs.c.id.in_([job.id for job in jobs]), _in_from_states(transition))
         .values(values)
         .returning(_jobs.c.id)
     )
@@ -359,7 +362,7 @@ _RUNNING_JOB_TO_FINISH = (
     .where(
         _jobs.c.id == bindparam("b_job_id"),
         _jobs.c.lease_token == bindparam("b_lease_token"),
-        _jobs.c.status.in_(_from("finish")),
+        _in_from_states("finish"),
     )
 )
 _UPDATE_JOB = update(_jobs).where(_jobs.c.id == bindparam("b_job_id"))
@@ -372,7 +375,7 @@ _UPDATE_ATTEMPT = update(_attempts).where(_ATTEMPT_OF_LEASE)
 _CLAIMED_IDS = _jobs.c.id.in_(bindparam("b_ids", expanding=True))
 _CLAIM_JOBS = (
     update(_jobs)
-    .where(_CLAIMED_IDS, _jobs.c.status.in_(_from("claim")))
+    .where(_CLAIMED_IDS, _in_from_states("claim"))
     .values(
         status=JobStatus.RUNNING.value,
         attempts=_jobs.c.attempts + 1,
