@@ -14,10 +14,11 @@ from fastapi.testclient import TestClient
 
 from validation_service.api import create_app
 from validation_service.config import Settings
-from validation_service.registry.records import JobOutcome, JobSpec
+from validation_service.registry.records import JobOutcome
 from validation_service.registry.registry import Registry
+from validation_service.request import ValidationRequest
 
-SPEC = JobSpec(
+SPEC = ValidationRequest(
     executor_kind="ray_task", pool="CPU", validate_fn_name="f", validate_fn_ref="json:dumps"
 )
 

@@ -21,13 +21,12 @@ from validation_service.errors import (
 from validation_service.metrics import normalize_metrics
 from validation_service.registry.records import ClaimedJob
 from validation_service.storage import CheckpointStorage
-from validation_service.validate_fn import import_validate_fn, load_validate_fn
+from validation_service.validate_fn import load_validate_fn
 
 # Also importable from here, where they were first defined.
 __all__ = [
     "ValidationContext",
     "current_validation",
-    "import_validate_fn",
     "load_validate_fn",
     "run_attempt",
 ]

@@ -9,8 +9,6 @@ import operator
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from validation_service.request import ValidationRequest
-
 
 @dataclasses.dataclass(frozen=True)
 class RunRecord:
@@ -110,10 +108,6 @@ def _reader(cls: type, given: tuple[str, ...]) -> tuple[tuple[str, ...], Callabl
     names = tuple(f.name for f in dataclasses.fields(cls) if f.name not in given)
     getter = operator.attrgetter(*names)
     return names, getter if len(names) > 1 else (lambda row: (getter(row),))
-
-
-# The name this record had before it moved to validation_service.request.
-JobSpec = ValidationRequest
 
 
 @dataclasses.dataclass(frozen=True)
