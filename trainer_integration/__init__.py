@@ -86,19 +86,21 @@ def report(
     delete_local = _delete_local(checkpoint_upload_mode, delete_local_checkpoint_after_upload)
     train_context = _ray_train_context()
     if train_context is None:
-        if _current_run is None:
-            raise InvalidInput(
-                "report() outside a Ray Train worker needs a run: call "
-                "trainer_integration.start_run('my-run') first, or use Client('my-run')."
-            )
-        if checkpoint is not None:
-            _reporter(_current_run).report(
-                metrics, checkpoint, job, checkpoint_upload_mode, delete_local=delete_local
-            )
-        return
-    _report_in_ray_train(
-        train_context, metrics, checkpoint, job, checkpoint_upload_mode, delete_local
-    )
+        _report_outside_ray_train(metrics, checkpoint, job, checkpoint_upload_mode, delete_local)
+    else:
+        _report_in_ray_train(
+            train_context, metrics, checkpoint, job, checkpoint_upload_mode, delete_local
+        )
+
+
+def _report_outside_ray_train(metrics, checkpoint, job, mode, delete_local) -> None:
+    if _current_run is None:
+        raise InvalidInput(
+            "report() outside a Ray Train worker needs a run: call "
+            "trainer_integration.start_run('my-run') first, or use Client('my-run')."
+        )
+    if checkpoint is not None:
+        _reporter(_current_run).report(metrics, checkpoint, job, mode, delete_local=delete_local)
 
 
 def _report_in_ray_train(context, metrics, checkpoint, job, mode, delete_local) -> None:

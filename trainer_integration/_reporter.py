@@ -105,50 +105,9 @@ def validation_request(
 
     Raises InvalidInput naming the bad argument, before anything is stored.
     """
-    if isinstance(validate_fn, str):
-        import_validate_fn(validate_fn)  # a reference that does not import fails here, now
-        fn_ref, fn_pickle, fn_name = validate_fn, None, validate_fn
-    elif callable(validate_fn):
-        try:
-            fn_ref, fn_pickle = None, _pickled(validate_fn)
-        except Exception as exc:  # noqa: BLE001 - any pickling error is the user's to fix
-            raise InvalidInput(
-                f"validate_fn {validate_fn!r} cannot be pickled ({exc}). Define it at module "
-                "level or pass its reference as 'package.module:function'."
-            ) from None
-        fn_name = getattr(validate_fn, "__qualname__", type(validate_fn).__name__)
-    else:
-        raise InvalidInput(
-            f"validate_fn must be a callable (checkpoint, config) -> dict or a "
-            f"'package.module:function' string, got {type(validate_fn).__name__}."
-        )
-    if validate_config is not None and not isinstance(validate_config, dict):
-        raise InvalidInput(f"validate_config must be a dict, got {type(validate_config).__name__}.")
-    try:
-        config_bytes = cloudpickle.dumps(validate_config or {})
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise InvalidInput(
-            f"validate_config cannot be pickled ({exc}); it is stored until the validation "
-            "runs. Pass plain values, paths or URIs instead of open handles or locks."
-        ) from None
-    # Validators that launch Ray work of their own (MapBatchesValidator,
-    # TorchTrainerValidator) recommend num_cpus=0 for the task that drives them.
-    default = getattr(validate_fn, "recommended_resources", None) or {"num_cpus": 1}
-    resources = dict(validation_resources or default)
-    unknown = set(resources) - _RESOURCE_KEYS
-    if unknown:
-        raise InvalidInput(
-            f"validation_resources has unknown keys {sorted(unknown)}; "
-            f"use {sorted(_RESOURCE_KEYS)}."
-        )
-    for key in ("num_cpus", "num_gpus", "memory"):
-        value = resources.get(key)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
-        ):
-            raise InvalidInput(
-                f"validation_resources[{key!r}] must be a number >= 0, got {value!r}"
-            )
+    fn_ref, fn_pickle, fn_name = _validate_fn_payload(validate_fn)
+    config_bytes = _config_payload(validate_config)
+    resources = _checked_resources(validate_fn, validation_resources)
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise InvalidInput(f"priority must be an int, got {priority!r}")
     if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
@@ -171,6 +130,60 @@ def validation_request(
         retry_on_timeout=bool(retry_on_timeout),
         coalesce=coalesce,
     )
+
+
+def _validate_fn_payload(validate_fn) -> tuple[str | None, bytes | None, str]:
+    """(import reference, pickled callable, name) of a validate_fn; one of the first two."""
+    if isinstance(validate_fn, str):
+        import_validate_fn(validate_fn)  # a reference that does not import fails here, now
+        return validate_fn, None, validate_fn
+    if not callable(validate_fn):
+        raise InvalidInput(
+            f"validate_fn must be a callable (checkpoint, config) -> dict or a "
+            f"'package.module:function' string, got {type(validate_fn).__name__}."
+        )
+    try:
+        pickled = _pickled(validate_fn)
+    except Exception as exc:  # noqa: BLE001 - any pickling error is the user's to fix
+        raise InvalidInput(
+            f"validate_fn {validate_fn!r} cannot be pickled ({exc}). Define it at module "
+            "level or pass its reference as 'package.module:function'."
+        ) from None
+    return None, pickled, getattr(validate_fn, "__qualname__", type(validate_fn).__name__)
+
+
+def _config_payload(validate_config: dict | None) -> bytes:
+    if validate_config is not None and not isinstance(validate_config, dict):
+        raise InvalidInput(f"validate_config must be a dict, got {type(validate_config).__name__}.")
+    try:
+        return cloudpickle.dumps(validate_config or {})
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise InvalidInput(
+            f"validate_config cannot be pickled ({exc}); it is stored until the validation "
+            "runs. Pass plain values, paths or URIs instead of open handles or locks."
+        ) from None
+
+
+def _checked_resources(validate_fn, validation_resources: dict | None) -> dict[str, Any]:
+    # Validators that launch Ray work of their own (MapBatchesValidator,
+    # TorchTrainerValidator) recommend num_cpus=0 for the task that drives them.
+    default = getattr(validate_fn, "recommended_resources", None) or {"num_cpus": 1}
+    resources = dict(validation_resources or default)
+    unknown = set(resources) - _RESOURCE_KEYS
+    if unknown:
+        raise InvalidInput(
+            f"validation_resources has unknown keys {sorted(unknown)}; "
+            f"use {sorted(_RESOURCE_KEYS)}."
+        )
+    for key in ("num_cpus", "num_gpus", "memory"):
+        value = resources.get(key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+        ):
+            raise InvalidInput(
+                f"validation_resources[{key!r}] must be a number >= 0, got {value!r}"
+            )
+    return resources
 
 
 # Each validate_fn is pickled once per process, as Ray pickles ValidationConfig(fn) once
