@@ -74,14 +74,14 @@ def report(
         metrics,
         checkpoint,
         checkpoint_upload_mode,
-        validate_fn,
-        validate_config,
-        validation_resources,
-        priority,
-        timeout_s,
-        max_attempts,
-        retry_on_timeout,
-        coalesce,
+        validate_fn=validate_fn,
+        validate_config=validate_config,
+        validation_resources=validation_resources,
+        priority=priority,
+        timeout_s=timeout_s,
+        max_attempts=max_attempts,
+        retry_on_timeout=retry_on_timeout,
+        coalesce=coalesce,
     )
     delete_local = _delete_local(checkpoint_upload_mode, delete_local_checkpoint_after_upload)
     train_context = _ray_train_context()
@@ -249,14 +249,14 @@ class Client:
             metrics,
             checkpoint,
             checkpoint_upload_mode,
-            validate_fn,
-            validate_config,
-            validation_resources,
-            priority,
-            timeout_s,
-            max_attempts,
-            retry_on_timeout,
-            coalesce,
+            validate_fn=validate_fn,
+            validate_config=validate_config,
+            validation_resources=validation_resources,
+            priority=priority,
+            timeout_s=timeout_s,
+            max_attempts=max_attempts,
+            retry_on_timeout=retry_on_timeout,
+            coalesce=coalesce,
         )
         delete_local = _delete_local(checkpoint_upload_mode, delete_local_checkpoint_after_upload)
         if checkpoint is None:
@@ -280,6 +280,7 @@ def _prepare(
     metrics,
     checkpoint,
     checkpoint_upload_mode,
+    *,
     validate_fn,
     validate_config,
     validation_resources,
@@ -289,7 +290,11 @@ def _prepare(
     retry_on_timeout,
     coalesce,
 ):
-    """Checks every report() argument before anything is stored: (metrics, job spec)."""
+    """Checks every report() argument before anything is stored.
+
+    Returns the plain metrics and the one ValidationRequest (or None) that goes from
+    this front door to the registry.
+    """
     if not isinstance(metrics, dict):
         raise InvalidInput(f"metrics must be a dict, got {type(metrics).__name__}")
     if not isinstance(checkpoint_upload_mode, CheckpointUploadMode):
@@ -304,11 +309,11 @@ def _prepare(
             validate_fn,
             validate_config,
             validation_resources,
-            priority,
-            timeout_s,
-            max_attempts,
-            retry_on_timeout,
-            coalesce,
+            priority=priority,
+            timeout_s=timeout_s,
+            max_attempts=max_attempts,
+            retry_on_timeout=retry_on_timeout,
+            coalesce=coalesce,
         )
     return plain_metrics(metrics), job
 
