@@ -11,7 +11,8 @@ from sqlalchemy import select
 from validation_service.jobs import JOB_TO_VALIDATION_STATUS, JobStatus, ValidationStatus
 from validation_service.registry import transitions
 from validation_service.registry.queue import LEASE_COLUMNS
-from validation_service.registry.records import JobOutcome, ValidationRequest
+from validation_service.registry.records import JobOutcome
+from validation_service.request import ValidationRequest
 from validation_service.retry import AttemptBudget, Decision, RetryPolicy
 
 OWNER = "queue-test/1"

@@ -16,8 +16,9 @@ import pytest
 from validation_service.config import Settings
 from validation_service.executors import AttemptHandle
 from validation_service.executors._run import run_attempt
-from validation_service.registry.records import ClaimedJob, JobOutcome, ValidationRequest
+from validation_service.registry.records import ClaimedJob, JobOutcome
 from validation_service.registry.registry import Registry
+from validation_service.request import ValidationRequest
 from validation_service.retry import RetryPolicy
 from validation_service.scheduler import Scheduler
 from validation_service.storage import CheckpointStorage
