@@ -167,3 +167,52 @@ def test_an_async_copy_that_fails_fails_the_run_as_ray_trains_own_upload_does(
     records = {r.report_index: r for r in Registry().checkpoints(unique_run)}
     assert records[0].reported_metrics["step"] == 0  # acknowledged before: kept
     assert 1 not in records  # never stored, never registered
+
+
+def report_in_storage(config) -> None:
+    """NO_UPLOAD: the checkpoint is written straight into ckval's storage."""
+    import ray.train
+
+    from validation_service.config import get_settings
+
+    rank = ray.train.get_context().get_world_rank()
+    root = os.path.join(get_settings().resolved_storage(), "default", config["run"])
+    for step in range(2):
+        if rank == 0:
+            directory = os.path.join(root, f"written-in-place-{step}")
+            os.makedirs(directory)
+            with open(os.path.join(directory, "state.json"), "w") as f:
+                json.dump({"step": step}, f)
+            report(
+                {"step": step},
+                ray.train.Checkpoint.from_directory(directory),
+                checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+                validate_fn=read_step,
+                validate_config={"scale": 10},
+            )
+        else:
+            report({"step": step}, None)
+
+
+def test_no_upload_reports_in_ray_train_are_registered_where_they_are(
+    service, session_home, unique_run
+):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    result = DataParallelTrainer(
+        report_in_storage,
+        train_loop_config={"run": unique_run},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name=unique_run, storage_path=str(session_home / "ray_results")),
+    ).fit()
+    registry = Registry()
+    registry.wait(unique_run, timeout_s=120)
+    records = registry.checkpoints(unique_run)
+    assert [r.uri.rsplit("/", 1)[-1] for r in records] == [
+        "written-in-place-0",
+        "written-in-place-1",
+    ]
+    assert [r.metrics["validated_step"] for r in records] == [0, 10]
+    resolved = [resolve_checkpoint(c).path for c, _ in result.best_checkpoints]
+    assert resolved == [r.uri for r in records]

@@ -119,12 +119,11 @@ def _report_in_ray_train(context, metrics, checkpoint, job, mode, delete_local) 
             stored = reporter.store_and_register(
                 metrics, checkpoint, job, delete_local=delete_local
             )
-            index, uri = stored.index, stored.uri
     except Exception:
         # The other ranks are in this report too: keep in step.
         ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
         raise
-    _report_pointer(reporter, index, uri, metrics, checkpoint, stored)
+    _report_pointer(reporter, metrics, checkpoint, stored)
     if mode is CheckpointUploadMode.SYNC:
         stored.stored.result()  # ckval's copy is done: training may delete its folder
 
@@ -140,9 +139,7 @@ def _delete_local(mode: CheckpointUploadMode, delete: bool | None) -> bool:
     return delete
 
 
-def _report_pointer(
-    reporter: RunReporter, index: int, uri: str, metrics: dict, checkpoint, stored: StoredReport
-) -> None:
+def _report_pointer(reporter: RunReporter, metrics: dict, checkpoint, stored: StoredReport) -> None:
     """ray.train.report() in ASYNC mode with a pointer to the stored checkpoint.
 
     Ray Train calls the pointer writer on its upload thread, in report order, and waits
@@ -161,7 +158,8 @@ def _report_pointer(
         from validation_service.storage import ray_checkpoint
 
         stored.stored.result()
-        ray.train.report(metrics, checkpoint=ray_checkpoint(uri, reporter.settings.storage_options))
+        stored_checkpoint = ray_checkpoint(stored.uri, reporter.settings.storage_options)
+        ray.train.report(metrics, checkpoint=stored_checkpoint)
         # fit() returns as soon as the loop does, in this process: register before that.
         stored.registered.result()
         return
@@ -172,7 +170,7 @@ def _report_pointer(
         filesystem = storage.storage_filesystem
         filesystem.create_dir(path)
         with filesystem.open_output_stream(f"{path}/{POINTER_FILE}") as f:
-            f.write(pointer_bytes(reporter.run, index, uri))
+            f.write(pointer_bytes(reporter.run, stored.index, stored.uri))
         stored.registered.result()
         return ray.train.Checkpoint(filesystem=filesystem, path=path)
 
