@@ -7,7 +7,6 @@ import json
 import os
 import pickle
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 import trainer_integration
+from tests.test_examples import run as run_example
 from trainer_integration.dask import NoDaskWorkers, ResultsHandler, WorkerLost, run
 from validation_service.errors import InvalidInput
 from validation_service.registry.registry import Registry
@@ -340,19 +340,11 @@ def test_worker_killed_mid_run(service, unique_run, tmp_path):
 
 
 def test_example_dask_ddp(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CKVAL_", "RAY_ADDRESS"))}
-    env.update(CKVAL_HOME=str(tmp_path), RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    done = subprocess.run(
-        [sys.executable, "examples/dask_ddp.py", "--epochs", "2", "--run", "dask-ex"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=420,
+    stdout = run_example(
+        [sys.executable, "examples/dask_ddp.py", "--epochs", "2", "--run", "dask-ex"], tmp_path
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     records = registry.checkpoints("dask-ex")
     assert [r.validation_status for r in records] == ["VALIDATED"] * 2
     best = registry.best_checkpoint_records("dask-ex", "accuracy", "max", k=1)[0]
-    assert f"epoch {best.epoch} accuracy {best.metrics['accuracy']:.4f}" in done.stdout
+    assert f"epoch {best.epoch} accuracy {best.metrics['accuracy']:.4f}" in stdout

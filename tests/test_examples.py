@@ -15,8 +15,20 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.ray
 
 
-def run(args: list[str], home: Path, timeout: int = 420, with_stderr: bool = False) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CKVAL_", "RAY_ADDRESS"))}
+def run(
+    args: list[str],
+    home: Path,
+    timeout: int = 420,
+    with_stderr: bool = False,
+    unset: tuple[str, ...] = (),
+) -> str:
+    """Runs a program from the repository root as a user would, with its own CKVAL_HOME.
+
+    ckval's and Ray's variables of this test process are left out, and so are ``unset``.
+    """
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("CKVAL_", "RAY_ADDRESS", *unset))
+    }
     env.update(CKVAL_HOME=str(home), RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]

@@ -19,6 +19,7 @@ import ray.cloudpickle
 # Before anything imports TensorFlow: this import makes tf.keras Keras 2 here and in the Ray
 # workers that the session starts later, as it does in a user's driver.
 import trainer_integration.keras as ckval_keras
+from tests.test_examples import run as run_example
 from trainer_integration import report, resolve_checkpoint
 from validation_service.errors import InvalidInput, RunNotFound
 from validation_service.registry.registry import Registry
@@ -386,23 +387,14 @@ def test_unknown_hook_and_unsaveable_model_fail_before_anything_is_stored(unique
 
 
 def test_example_runs_as_is(tmp_path):
-    environment = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("CKVAL_", "RAY_ADDRESS", "TF_USE_LEGACY_KERAS"))
-    }
-    environment.update(CKVAL_HOME=str(tmp_path), RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT))
-    done = subprocess.run(
+    # Unset: the example must set Keras 2 up itself, as a user's fresh script would.
+    stdout = run_example(
         [sys.executable, "examples/keras_tensorflow_trainer.py", "--epochs", "2", "--run", "ex"],
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=420,
+        tmp_path,
+        unset=("TF_USE_LEGACY_KERAS",),
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     records = registry.checkpoints("ex")
     assert [r.validation_status for r in records] == ["VALIDATED", "VALIDATED"]
     best = registry.best_checkpoint_records("ex", "val_mse", "min", k=1)[0]
-    assert f"val_mse {best.metrics['val_mse']:.6f}" in done.stdout
+    assert f"val_mse {best.metrics['val_mse']:.6f}" in stdout
