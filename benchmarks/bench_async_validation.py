@@ -30,7 +30,11 @@ Measured per way, as in Ray's release benchmark:
 - e2e: ``fit()`` start until the driver holds every validated metric (for ckval: until
   ``Registry().wait(run)`` returns after ``fit()``);
 - report blocked: sum over reports of the time ``ray.train.report`` / ckval's
-  ``report()`` blocked rank 0's training loop;
+  ``report()`` held training: per report, the longest any rank was blocked in it (the
+  ranks of a DDP run step together, so one rank's wait holds them all). Ray's first
+  report of a run waits on its rank-synchronisation actor once, on whichever rank
+  arrives first: timing rank 0 alone charges that wait to one way or the other by
+  chance;
 - in-loop validation: time rank 0 spent validating inside the loop (inline only);
 - final wait: training loop end until the last validated metric is available: for
   native, when its last validation task finished computing (in the controller's memory;
@@ -201,8 +205,11 @@ def train_func(config: dict[str, Any]) -> None:
             metrics = {"step": step, "checkpoint_index": index, "train_loss": loss}
             _report(config, rank, model, metrics, timings)
         timings["loop_end"] = time.time()
-    if rank == 0:
-        Path(config["timings_path"]).write_text(json.dumps(timings))
+    Path(_rank_timings_path(config["timings_path"], rank)).write_text(json.dumps(timings))
+
+
+def _rank_timings_path(path: str, rank: int) -> str:
+    return path if rank == 0 else f"{path}.rank{rank}"
 
 
 def _batch_indices(n: int, batch: int):
@@ -221,12 +228,14 @@ def _report(config: dict, rank: int, model: nn.Module, metrics: dict, timings: d
     asynchronous = way in ("native", "ckval-async")
     mode = "ASYNC" if asynchronous else "SYNC"
     if rank != 0:
+        started = time.perf_counter()
         if way.startswith("ckval"):
             from trainer_integration import report
 
             report({}, None)
         else:
             ray.train.report({}, None, checkpoint_upload_mode=ray.train.CheckpointUploadMode[mode])
+        timings["report_blocked_s"].append(time.perf_counter() - started)
         return
     # ASYNC keeps the folder until the upload is done, and then deletes it (Ray's guide):
     # a folder of its own per report. SYNC may drop it when report() returns.
@@ -330,7 +339,21 @@ class Bench:
         )
 
     def timings(self, run: str) -> dict:
-        return json.loads((self.workdir / f"{run}.json").read_text())
+        """Rank 0's timings, its report times replaced by how long each report held training.
+
+        A report holds training for the longest time any rank spent in it; rank 0's
+        in-loop validation (inline) is counted as in-loop validation, not as blocking.
+        """
+        path = self.workdir / f"{run}.json"
+        timings = json.loads(path.read_text())
+        inline = timings["inline_validation_s"] or [0.0] * len(timings["report_blocked_s"])
+        held = [i + b for i, b in zip(inline, timings["report_blocked_s"], strict=True)]
+        for rank in range(1, NUM_WORKERS):
+            other = json.loads(Path(_rank_timings_path(str(path), rank)).read_text())
+            held = [max(h, b) for h, b in zip(held, other["report_blocked_s"], strict=True)]
+        timings["rank0_report_blocked_s"] = timings["report_blocked_s"]
+        timings["report_blocked_s"] = [h - i for h, i in zip(held, inline, strict=True)]
+        return timings
 
 
 def run_inline(bench: Bench, scenario: str, checkpoints: int, steps: int) -> WayResult:
