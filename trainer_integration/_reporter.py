@@ -31,11 +31,11 @@ from validation_service.metrics import normalize_metrics, to_plain
 from validation_service.request import ValidationRequest
 from validation_service.storage import CheckpointStorage, PersistedCheckpoint
 from validation_service.validate_fn import import_validate_fn
+from validation_service.validation import check_resources, check_step_and_epoch
 
 logger = logging.getLogger(__name__)
 
 POINTER_FILE = "ckval_checkpoint.json"
-_RESOURCE_KEYS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type"}
 
 
 class ReportNotDelivered(CkvalError):
@@ -108,14 +108,7 @@ def validation_request(
     fn_ref, fn_pickle, fn_name = _validate_fn_payload(validate_fn)
     config_bytes = _config_payload(validate_config)
     resources = _checked_resources(validate_fn, validation_resources)
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise InvalidInput(f"priority must be an int, got {priority!r}")
-    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
-        raise InvalidInput(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
-        raise InvalidInput(f"max_attempts must be an int >= 1, got {max_attempts!r}")
-    if coalesce not in (None, "latest"):
-        raise InvalidInput(f"coalesce must be None or 'latest', got {coalesce!r}")
+    # ValidationRequest checks priority, timeout_s, max_attempts, resources and coalesce.
     return ValidationRequest(
         executor_kind=ExecutorKind.RAY_TASK.value,
         pool=pool_for(resources),
@@ -168,22 +161,11 @@ def _checked_resources(validate_fn, validation_resources: dict | None) -> dict[s
     # Validators that launch Ray work of their own (MapBatchesValidator,
     # TorchTrainerValidator) recommend num_cpus=0 for the task that drives them.
     default = getattr(validate_fn, "recommended_resources", None) or {"num_cpus": 1}
-    resources = dict(validation_resources or default)
-    unknown = set(resources) - _RESOURCE_KEYS
-    if unknown:
-        raise InvalidInput(
-            f"validation_resources has unknown keys {sorted(unknown)}; "
-            f"use {sorted(_RESOURCE_KEYS)}."
-        )
-    for key in ("num_cpus", "num_gpus", "memory"):
-        value = resources.get(key)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
-        ):
-            raise InvalidInput(
-                f"validation_resources[{key!r}] must be a number >= 0, got {value!r}"
-            )
-    return resources
+    if validation_resources is None or (
+        isinstance(validation_resources, dict) and not validation_resources
+    ):
+        return dict(default)
+    return dict(check_resources(validation_resources))
 
 
 # Each validate_fn is pickled once per process, as Ray pickles ValidationConfig(fn) once
@@ -555,7 +537,11 @@ def pointer_bytes(run: str, index: int, uri: str) -> bytes:
 
 
 def plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    return normalize_metrics({k: to_plain(v) for k, v in metrics.items()}, what="metrics")
+    """Reported metrics as stored; raises InvalidInput (before any copy) for a value the
+    registry cannot hold, such as a "step" beyond 64 bits."""
+    plain = normalize_metrics({k: to_plain(v) for k, v in metrics.items()}, what="metrics")
+    check_step_and_epoch(plain)
+    return plain
 
 
 def _is_local(checkpoint) -> bool:

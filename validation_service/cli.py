@@ -252,9 +252,22 @@ def db_upgrade(ctx: click.Context, revision: str) -> None:
 
 @db.command("downgrade")
 @click.argument("revision")
+@click.option("--yes", is_flag=True, help="Do not ask; downgrading may drop tables and data.")
 @click.pass_context
-def db_downgrade(ctx: click.Context, revision: str) -> None:
+def db_downgrade(ctx: click.Context, revision: str, yes: bool) -> None:
     """Migrate the registry database back to REVISION ('base' drops every table)."""
+    if not yes:
+        what = "drops every table" if revision == "base" else "may drop tables and columns"
+        if not sys.stdin.isatty():
+            raise click.UsageError(
+                f"`ckval db downgrade {revision}` {what} with the data in them; "
+                "pass --yes to do it without a terminal to confirm on."
+            )
+        registry = _unchecked_registry(ctx)
+        click.confirm(
+            f"Downgrade {registry.display_url} to {revision}? This {what} with their data",
+            abort=True,
+        )
     _migrate_to(ctx, "downgrade", revision)
 
 

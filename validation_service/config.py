@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings.exceptions import SettingsError
+
+from validation_service.errors import InvalidSettings
 
 ENV_PREFIX = "CKVAL_"
+# Settings given as JSON objects, with an example for the error that says how.
+_JSON_OBJECT_EXAMPLES = {
+    "storage_options": '{"endpoint_url": "http://127.0.0.1:9000"}',
+    "pools": '{"A10G": 4, "CPU": 2}',
+}
 
 
 def _default_home() -> Path:
@@ -51,6 +61,57 @@ class Settings(BaseSettings):
     http_host: str = "127.0.0.1"
     http_port: int = 8780
 
+    def __init__(self, **values: Any) -> None:
+        # A bad CKVAL_* variable is the user's to fix: one error naming each of them,
+        # not pydantic's traceback.
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise InvalidSettings(_validation_message(exc, values)) from None
+        except SettingsError as exc:
+            raise InvalidSettings(_parsing_message(exc)) from None
+
+    @field_validator(
+        "lease_s",
+        "heartbeat_s",
+        "poll_interval_s",
+        "retry_backoff_s",
+        "retry_backoff_max_s",
+        "delivery_timeout_s",
+    )
+    @classmethod
+    def _positive_seconds(cls, value: float) -> float:
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"must be a positive number of seconds, got {value!r}")
+        return value
+
+    @field_validator("default_pool_size")
+    @classmethod
+    def _pool_size(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be at least 1 (validations at once per pool), got {value!r}")
+        return value
+
+    @field_validator("pools")
+    @classmethod
+    def _pool_sizes(cls, pools: dict[str, int]) -> dict[str, int]:
+        for name, size in pools.items():
+            if not name or len(name) > 128:
+                raise ValueError(f"has a pool name {name!r}; use 1 to 128 characters")
+            if size < 1:
+                raise ValueError(
+                    f"gives pool {name!r} the size {size!r}; each pool runs at least 1 "
+                    'validation at once, e.g. {"A10G": 4, "CPU": 2}'
+                )
+        return pools
+
+    @field_validator("http_port")
+    @classmethod
+    def _tcp_port(cls, value: int) -> int:
+        if not 0 <= value <= 65535:
+            raise ValueError(f"must be a TCP port from 0 to 65535, got {value!r}")
+        return value
+
     def resolved_home(self) -> Path:
         return Path(os.path.expanduser(str(self.home)))
 
@@ -74,4 +135,49 @@ def ckval_env() -> dict[str, str]:
 
 
 def get_settings(**overrides) -> Settings:
+    """The CKVAL_* settings with ``overrides`` (None: not given) on top.
+
+    Raises InvalidSettings naming each bad variable and what it must be.
+    """
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _env_name(field: str) -> str:
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def _validation_message(exc: ValidationError, given: dict[str, Any]) -> str:
+    problems = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else "?"
+        name = _env_name(field) if field not in given else f"{field} (or {_env_name(field)})"
+        if field in _JSON_OBJECT_EXAMPLES and error["type"] in ("dict_type", "json_invalid"):
+            problems.append(
+                f"{name} must be a JSON object such as '{_JSON_OBJECT_EXAMPLES[field]}', "
+                f"got {error['input']!r}"
+            )
+        elif error["type"] == "value_error":
+            problems.append(f"{name} {error['ctx']['error']}")
+        else:
+            detail = error["msg"][0].lower() + error["msg"][1:]
+            problems.append(f"{name}: {detail}, got {error['input']!r}")
+    return _settings_message(problems)
+
+
+def _parsing_message(exc: SettingsError) -> str:
+    """pydantic-settings could not parse a variable (a dict field's value is no JSON)."""
+    found = re.search(r'field "(\w+)"', str(exc))
+    if found is None:
+        return _settings_message([str(exc)])
+    field = found.group(1)
+    value = os.environ.get(_env_name(field), os.environ.get(_env_name(field).lower()))
+    example = _JSON_OBJECT_EXAMPLES.get(field)
+    what = f"a JSON object such as '{example}'" if example else "valid JSON"
+    return _settings_message([f"{_env_name(field)} must be {what}, got {value!r}"])
+
+
+def _settings_message(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return f"Invalid setting: {problems[0]}. Fix that environment variable."
+    listed = "; ".join(problems)
+    return f"Invalid settings: {listed}. Fix those environment variables."

@@ -26,6 +26,42 @@ class InvalidInput(CkvalError, ValueError):
     """An argument that ckval cannot store or act on; nothing was written."""
 
 
+class InvalidSettings(InvalidInput):
+    """A CKVAL_* setting (or the argument given in its place) that ckval cannot use.
+
+    The message names each bad variable and what it must be; nothing was written.
+    """
+
+
+class RegistryRejected(CkvalError, ValueError):
+    """The registry database refused a statement for its values or its schema.
+
+    Not an outage: running the statement again gives the same answer, so it is never
+    retried. Raised for values a column cannot hold, a schema the statement does not
+    match, and constraint violations other than a repeated report.
+    """
+
+    def __init__(self, database: str, cause: BaseException):
+        orig = getattr(cause, "orig", None) or cause
+        self.database = database
+        self.reason = f"{type(orig).__name__}: {one_line(str(orig))}"
+        super().__init__(
+            f"The registry database {database} refused the statement ({self.reason}). "
+            "This is not an outage and is not retried: check the values stored (a name "
+            "or number too large for its column), or run `ckval db upgrade` if the "
+            "schema is out of date."
+        )
+
+
+class SchemaOutOfDate(CkvalError, RuntimeError):
+    """The registry database's schema is not the one this ckval needs (migrate it)."""
+
+
+def one_line(text: str) -> str:
+    """A driver's message (often several indented lines) as one line."""
+    return " ".join(text.split())
+
+
 class RunNotFound(CkvalError, LookupError):
     def __init__(self, run: str, namespace: str, known: list[str] | None = None):
         self.run = run
@@ -104,7 +140,13 @@ class RegistryUnavailable(CkvalError, DBAPIError):
     driver's errors keeps catching it; new code should catch this class instead.
     """
 
-    def __init__(self, database: str, cause: BaseException | None = None):
+    def __init__(
+        self,
+        database: str,
+        cause: BaseException | None = None,
+        *,
+        source: str = "CKVAL_DATABASE_URL",
+    ):
         orig = getattr(cause, "orig", cause)
         DBAPIError.__init__(
             self,
@@ -115,22 +157,30 @@ class RegistryUnavailable(CkvalError, DBAPIError):
             connection_invalidated=bool(getattr(cause, "connection_invalidated", False)),
         )
         self.database = database
+        self.source = source
         # A lost connection, which a reconnect may cure (the Registry retries those).
         self.disconnect = bool(getattr(cause, "connection_invalidated", False))
-        reason = f"{type(orig).__name__}: {orig}".strip() if orig is not None else "unknown"
+        reason = f"{type(orig).__name__}: {one_line(str(orig))}" if orig is not None else "unknown"
         self.message = (
             f"The registry database {database} is unavailable ({reason}). Try again "
-            "once it is reachable (check CKVAL_DATABASE_URL and the server)."
+            f"once it is reachable (check {source} and the server)."
         )
 
     def __str__(self) -> str:
         return self.message
 
     def __reduce__(self):
-        return _registry_unavailable, (self.database, self.orig, self.connection_invalidated)
+        return _registry_unavailable, (
+            self.database,
+            self.orig,
+            self.connection_invalidated,
+            self.source,
+        )
 
 
-def _registry_unavailable(database: str, orig, connection_invalidated: bool):
-    error = RegistryUnavailable(database, orig)
+def _registry_unavailable(
+    database: str, orig, connection_invalidated: bool, source: str = "CKVAL_DATABASE_URL"
+):
+    error = RegistryUnavailable(database, orig, source=source)
     error.connection_invalidated = connection_invalidated
     return error

@@ -57,7 +57,7 @@ def normalize_metrics(metrics: Any, *, what: str) -> dict[str, Any]:
                 f"{what} has a metric name of {len(key)} characters "
                 f"({key[:40]!r}...); at most {MAX_METRIC_NAME} are allowed."
             )
-        plain[key] = to_plain(value)
+        plain[key] = _rankable_if_int(to_plain(value), key, what)
     try:
         encoded = json.dumps(plain, default=_reject)
     except (TypeError, ValueError) as exc:
@@ -108,6 +108,20 @@ def rankable(metrics: dict[str, Any]) -> dict[str, float]:
         if math.isfinite(number):
             out[key] = number
     return out
+
+
+def _rankable_if_int(value: Any, key: str, what: str) -> Any:
+    """An int metric is ranked as a float: one too large for a float cannot be stored."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            float(value)
+        except OverflowError:
+            raise InvalidInput(
+                f"{what} {key!r} is an int of {value.bit_length()} bits, too large for a "
+                "float (the largest is about 1.8e308); report it as a float (inf is "
+                "stored but not ranked) or as a str."
+            ) from None
+    return value
 
 
 def _reject(value: Any) -> Any:

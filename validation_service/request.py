@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from validation_service.validation import check_request
+
 
 @dataclasses.dataclass(frozen=True)
 class ValidationRequest:
@@ -14,6 +16,10 @@ class ValidationRequest:
     ``validate_fn_ref`` is an importable ``"package.module:function"`` and
     ``validate_fn_pickle`` a cloudpickled callable (one of the two); ``validate_config`` is
     cloudpickled. ``pool`` is the concurrency pool the job counts against.
+
+    Made only with values the registry can store: the fields a report() argument sets
+    (priority, timeout_s, max_attempts, resources, coalesce) are checked here, so every
+    front door refuses a bad one with InvalidInput before anything is copied.
     """
 
     executor_kind: str
@@ -29,3 +35,6 @@ class ValidationRequest:
     retry_on_timeout: bool = False
     # "latest": registering this job cancels the run's older QUEUED jobs.
     coalesce: str | None = None
+
+    def __post_init__(self) -> None:
+        check_request(self)

@@ -1,4 +1,5 @@
-"""Retry policy: after a failed attempt or a lost lease, run again at T or end with status S.
+"""Retry policy: after a failed attempt or a lost lease, run again at T or end with status S;
+and which database errors are outages worth retrying.
 
 Above the store: the scheduler (or the Registry, for callers that bring none) asks the
 policy and the queue records the answer. Neither the database nor Ray is needed here.
@@ -10,6 +11,8 @@ import dataclasses
 import datetime as dt
 import random
 from collections.abc import Callable
+
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from validation_service.jobs import JobStatus
 
@@ -81,3 +84,77 @@ class RetryPolicy:
     def delay_s(self, attempts: int) -> float:
         base = self.backoff_s * 2 ** max(attempts - 1, 0)
         return min(base, self.backoff_max_s) * self._jitter()
+
+
+# PostgreSQL SQLSTATEs of an outage. Rerun at once: connection exceptions (class 08), a
+# serialization failure or deadlock (40001, 40P01: the transaction was rolled back), a
+# server shutting down or starting (57P01-57P03), too many connections (53300).
+_RERUN_SQLSTATE_CLASSES = ("08",)
+_RERUN_SQLSTATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03", "53300"})
+# Unusable as configured until someone acts, but no fault of the statement: a login
+# refused (class 28, e.g. a password being rotated) or a missing database (3D000).
+_UNREACHABLE_SQLSTATE_CLASSES = ("28", "3D")
+# SQLite result codes of a file that another writer holds; its busy timeout has waited.
+_SQLITE_LOCKED = frozenset({"SQLITE_BUSY", "SQLITE_LOCKED"})
+# SQLite result codes of an outage: locked, or the file's storage failing.
+_SQLITE_TRANSIENT = _SQLITE_LOCKED | {"SQLITE_IOERR"}
+
+
+def is_transient_database_error(exc: BaseException) -> bool:
+    """Whether a database error is an outage that a reconnect, a wait or a rerun may cure.
+
+    True for lost and refused connections, a locked SQLite file, serialization failures
+    and deadlocks. False for errors of the statement or its values (DataError,
+    IntegrityError, ProgrammingError, a missing table): running it again gives the same
+    answer, so retrying would only delay a clear error.
+    """
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    state = _sqlstate(exc)
+    if state is not None:
+        return (
+            state in _RERUN_SQLSTATES
+            or state[:2] in _RERUN_SQLSTATE_CLASSES
+            or state[:2] in _UNREACHABLE_SQLSTATE_CLASSES
+        )
+    if not isinstance(exc, (OperationalError, InterfaceError)):
+        return False
+    sqlite_error = _sqlite_error(exc)
+    if sqlite_error is not None:
+        return sqlite_error in _SQLITE_TRANSIENT
+    # A driver error with no SQLSTATE: it failed to connect or lost the connection.
+    return True
+
+
+def should_rerun(exc: BaseException) -> bool:
+    """Whether an idempotent operation should run again at once after this error.
+
+    Yes for a lost connection (the pool reconnects), a serialization failure or a
+    deadlock. No for a locked SQLite file (its busy timeout has waited already), a
+    login refused, and any error of the statement itself.
+    """
+    if not is_transient_database_error(exc):
+        return False
+    assert isinstance(exc, DBAPIError)
+    if exc.connection_invalidated:
+        return True
+    state = _sqlstate(exc)
+    if state is not None:
+        return state in _RERUN_SQLSTATES or state[:2] in _RERUN_SQLSTATE_CLASSES
+    return _sqlite_error(exc) not in _SQLITE_LOCKED
+
+
+def _sqlstate(exc: DBAPIError) -> str | None:
+    """The SQLSTATE of a server error (psycopg: sqlstate, psycopg2: pgcode)."""
+    state = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+    return state if isinstance(state, str) else None
+
+
+def _sqlite_error(exc: DBAPIError) -> str | None:
+    """SQLite's primary result code (SQLITE_IOERR for SQLITE_IOERR_WRITE), if SQLite's."""
+    name = getattr(exc.orig, "sqlite_errorname", None)
+    if not isinstance(name, str):
+        return None
+    return "_".join(name.split("_", 2)[:2])

@@ -1,4 +1,5 @@
-"""Engine construction: SQLite pragmas and write locking, NaN-safe JSON, schema locks."""
+"""Engine construction: SQLite pragmas and write locking, NaN-safe JSON, schema locks, and
+owner-only files for the embedded registry (it holds the pickled validate_fns)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def create_registry_engine(url: str) -> Engine:
     if is_sqlite(url):
         path = sqlite_path(url)
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            create_private_file(path)
         engine = create_engine(
             url,
             json_serializer=json_dumps,
@@ -58,6 +59,29 @@ def create_registry_engine(url: str) -> Engine:
         pool_size=5,
         max_overflow=10,
     )
+
+
+# The registry holds payloads that are unpickled when a validation runs: only its owner
+# may read or write it. SQLite gives its -wal, -shm and -journal files the mode of the
+# database file, so the database file's mode is theirs too.
+PRIVATE_FILE_MODE = 0o600
+PRIVATE_FOLDER_MODE = 0o700
+
+
+def create_private_file(path: Path) -> None:
+    """Creates the SQLite file (and the folders to it) for its owner only; an existing file
+    or folder keeps its mode."""
+    missing = [parent for parent in reversed(path.parents) if not parent.exists()]
+    for folder in missing:
+        try:
+            folder.mkdir(mode=PRIVATE_FOLDER_MODE)
+        except FileExistsError:
+            pass  # made meanwhile by another process
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, PRIVATE_FILE_MODE)
+    except FileExistsError:
+        return
+    os.close(fd)
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -100,7 +124,7 @@ class SQLiteWriteLock:
         self._thread_lock.acquire()
         try:
             if self._fd is None:
-                self._fd = os.open(self._path, os.O_CREAT | os.O_RDWR, 0o644)
+                self._fd = os.open(self._path, os.O_CREAT | os.O_RDWR, PRIVATE_FILE_MODE)
             fcntl.flock(self._fd, fcntl.LOCK_EX)
         except BaseException:
             self._thread_lock.release()
@@ -128,7 +152,7 @@ def schema_lock(url: str):
         yield
         return
     lock_path = str(path) + ".migrate.lock"
-    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, PRIVATE_FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -8,15 +8,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModuleError
 from sqlalchemy.orm import Session, sessionmaker
 
-from validation_service.errors import RegistryUnavailable
+from validation_service import retry
+from validation_service.errors import (
+    InvalidInput,
+    InvalidSettings,
+    RegistryRejected,
+    RegistryUnavailable,
+    SchemaOutOfDate,
+)
 from validation_service.registry import _migrate
 from validation_service.registry._engine import (
     WRITE_OPTION,
@@ -39,16 +47,56 @@ def masked_url(url: str | Any) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-def is_locked_error(exc: BaseException) -> bool:
-    return "database is locked" in str(getattr(exc, "orig", exc))
+def _printable_url(url: str) -> str:
+    """masked_url, also for a URL too malformed to parse."""
+    try:
+        return masked_url(url)
+    except Exception:  # noqa: BLE001 - unparseable: mask what looks like a password
+        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", str(url))
+
+
+def open_engine(url: str, source: str) -> Engine:
+    """The registry's engine; a URL that names no usable database raises InvalidSettings
+    (InvalidInput for an explicit argument) naming ``source`` and the masked URL."""
+    error = InvalidSettings if source.startswith("CKVAL_") else InvalidInput
+    example = "sqlite:////path/to/registry.db or postgresql+psycopg://user:password@host:5432/db"
+    try:
+        parsed = make_url(url)
+        port = parsed.port
+    except (ArgumentError, ValueError, TypeError) as exc:
+        raise error(
+            f"{source} is not a database URL ({_printable_url(url)}: {exc}). Use e.g. {example}."
+        ) from None
+    if port is not None and not 0 < port < 65536:
+        raise error(
+            f"{source} has port {port}, which is not a TCP port (1-65535): "
+            f"{_printable_url(url)}. Use e.g. {example}."
+        )
+    try:
+        return create_registry_engine(url)
+    except (NoSuchModuleError, ImportError) as exc:
+        raise error(
+            f"{source} names a database ckval cannot open ({_printable_url(url)}: {exc}). "
+            f"Use e.g. {example}."
+        ) from None
+    except OSError as exc:
+        raise error(
+            f"{source}: the SQLite registry's folder cannot be created "
+            f"({_printable_url(url)}: {exc}). Point it at a writable folder."
+        ) from None
 
 
 class Database:
-    """One registry database: an engine for reads, one for writes, and its schema."""
+    """One registry database: an engine for reads, one for writes, and its schema.
 
-    def __init__(self, url: str):
+    ``source`` names where the URL came from (``CKVAL_DATABASE_URL``, ``CKVAL_HOME``, the
+    ``database_url`` argument), for the errors that say what to fix.
+    """
+
+    def __init__(self, url: str, *, source: str = "the database_url argument"):
         self.url = url
-        self.engine = create_registry_engine(url)
+        self.source = source
+        self.engine = open_engine(url, source)
         self.dialect = self.engine.dialect.name
         self._write_engine = self.engine.execution_options(**{WRITE_OPTION: True})
         self._write_lock = write_lock(url)
@@ -85,14 +133,22 @@ class Database:
 
     @contextlib.contextmanager
     def _unavailable_as_error(self) -> Iterator[None]:
+        """Driver errors as ckval's: an outage is RegistryUnavailable (retried by the
+        callers that may), an error of the statement is RegistryRejected (never retried).
+
+        IntegrityError passes as it is: the catalog and the registry read a unique-key
+        violation as "registered before" and turn any other into RegistryRejected.
+        """
         try:
             yield
-        except (OperationalError, InterfaceError) as exc:
-            if isinstance(exc, RegistryUnavailable):
+        except DBAPIError as exc:
+            if isinstance(exc, (RegistryUnavailable, IntegrityError)):
                 raise
-            error = RegistryUnavailable(self.display_url, exc)
-            error.disconnect = _is_disconnect(exc)
-            raise error from exc
+            if retry.is_transient_database_error(exc):
+                error = RegistryUnavailable(self.display_url, exc, source=self.source)
+                error.disconnect = retry.should_rerun(exc)
+                raise error from exc
+            raise RegistryRejected(self.display_url, exc) from exc
 
     # ----------------------------------------------------------------- schema
     def check_schema(self, upgrade: bool) -> None:
@@ -104,20 +160,23 @@ class Database:
         if upgrade:
             self.upgrade()
             return
-        raise RuntimeError(
+        raise SchemaOutOfDate(
             f"The registry database {self.display_url} is at schema revision "
             f"{current or 'none (empty)'}, this ckval needs {head}. "
             "Run `ckval db upgrade` (with CKVAL_DATABASE_URL set) to migrate it."
         )
 
     def upgrade(self, revision: str = "head") -> None:
-        _migrate.upgrade(self.engine, self.url, revision)
+        with self._unavailable_as_error():
+            _migrate.upgrade(self.engine, self.url, revision)
 
     def downgrade(self, revision: str) -> None:
-        _migrate.downgrade(self.engine, self.url, revision)
+        with self._unavailable_as_error():
+            _migrate.downgrade(self.engine, self.url, revision)
 
     def schema_revision(self) -> str | None:
-        return _migrate.current_revision(self.engine)
+        with self._unavailable_as_error():
+            return _migrate.current_revision(self.engine)
 
     def is_sqlite(self) -> bool:
         return is_sqlite(self.url)
@@ -130,7 +189,9 @@ def retry_on_disconnect(method: _F) -> _F:
     """Retries an idempotent Registry operation when the database connection drops.
 
     A restarted or failed-over server, or a terminated backend, ends the connection
-    mid-transaction; the pool reconnects (pre-ping) and the operation runs again.
+    mid-transaction; the pool reconnects (pre-ping) and the operation runs again. A
+    serialization failure or a deadlock runs it again too (retry.should_rerun); an
+    error of the statement itself (RegistryRejected) never does.
     Only for operations that are safe to repeat: reads, and writes guarded by a
     unique key or a fencing token.
     """
@@ -154,10 +215,3 @@ def retry_on_disconnect(method: _F) -> _F:
         raise AssertionError("unreachable")
 
     return wrapper  # type: ignore[return-value]
-
-
-def _is_disconnect(exc: OperationalError | InterfaceError) -> bool:
-    if exc.connection_invalidated:
-        return True
-    # A backend terminated by the server, or a server restarting, is a disconnect too.
-    return isinstance(exc, OperationalError) and not is_locked_error(exc)

@@ -16,8 +16,9 @@ from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 
+from validation_service import validation
 from validation_service.config import Settings, get_settings
-from validation_service.errors import InvalidInput, UnknownMetric
+from validation_service.errors import InvalidInput, JobNotFound, RegistryRejected, UnknownMetric
 from validation_service.jobs import JobStatus, ValidationStatus
 from validation_service.metrics import normalize_metrics
 from validation_service.registry import transitions
@@ -63,7 +64,7 @@ class Registry:
         self.settings = settings or get_settings()
         self.url = database_url or self.settings.resolved_database_url()
         self.namespace = namespace or self.settings.namespace
-        self.db = Database(self.url)
+        self.db = Database(self.url, source=_url_source(database_url, self.settings))
         self.engine = self.db.engine
         self.catalog = Catalog(self.db, self.namespace)
         self.queue = Queue(self.db)
@@ -144,8 +145,8 @@ class Registry:
         Idempotent: the same run + report index returns the rows made the first time.
         """
         metrics = normalize_metrics(reported_metrics, what="reported metrics")
-        if job is not None and job.max_attempts < 1:
-            raise InvalidInput(f"max_attempts must be at least 1, got {job.max_attempts}")
+        validation.check_step(step)
+        validation.check_epoch(epoch)
         now = utcnow()
         status = ValidationStatus.PENDING if job else ValidationStatus.NONE
         row = checkpoint_row(
@@ -167,12 +168,13 @@ class Registry:
                         now=now,
                     )
                 return Registration(run_id, checkpoint_id, job_id, created=True)
-        except IntegrityError:
+        except IntegrityError as exc:
             # The same run + report index was registered before (or concurrently).
             with self.db.read() as session:
                 checkpoint_id = self.catalog.find_checkpoint_id(session, run_id, report_index)
                 if checkpoint_id is None:
-                    raise
+                    # Some other constraint (a run that is gone, say): not a repeat.
+                    raise RegistryRejected(self.display_url, exc) from exc
                 job_id = self.queue.find_job_id(session, run_id, report_index)
             return Registration(run_id, checkpoint_id, job_id, created=False)
 
@@ -217,6 +219,7 @@ class Registry:
     def best_checkpoint_records(
         self, run: str | None, metric: str, mode: Mode = "max", k: int = 1
     ) -> list[CheckpointRecord]:
+        validation.check_k(k)
         with self.db.read() as session:
             records = self.catalog.best(session, run, metric, mode, k)
             if records:
@@ -247,7 +250,7 @@ class Registry:
 
     @retry_on_disconnect
     def get_job(self, job_id: int) -> JobRecord:
-        return self.queue.get_job(job_id)
+        return self.queue.get_job(validation.check_job_id(job_id))
 
     @retry_on_disconnect
     def job_counts(self, run: str | None = None) -> dict[str, int]:
@@ -405,6 +408,7 @@ class Registry:
         """Cancels QUEUED and RUNNING jobs; a RUNNING one loses its lease at once."""
         if job_ids is None and run is None:
             raise InvalidInput("cancel needs job ids or a run name")
+        job_ids = _existing_ids(job_ids)
         run_id = self._run_id_or_none(run)
         now = utcnow()
         with self.db.write() as conn:
@@ -432,6 +436,7 @@ class Registry:
         statuses = [JobStatus(s) for s in statuses]
         if not set(statuses) <= transitions.FROM_STATES["retry"]:
             raise InvalidInput(f"only {[s.value for s in RETRYABLE_STATUSES]} jobs are retried")
+        job_ids = _existing_ids(job_ids)
         run_id = self._run_id_or_none(run)
         now = utcnow()
         with self.db.write() as conn:
@@ -443,6 +448,26 @@ class Registry:
             return None
         with self.db.read() as session:
             return self.catalog.require_run_id(session, run)
+
+
+def _url_source(database_url: str | None, settings: Settings) -> str:
+    """Where a registry's URL came from, for the errors that say what to fix."""
+    if database_url:
+        return "the database_url argument"
+    return "CKVAL_DATABASE_URL" if settings.database_url else "CKVAL_HOME"
+
+
+def _existing_ids(job_ids: Sequence[int] | None) -> list[int] | None:
+    """Job ids that can exist: ids out of the column's range name no job, as unknown ids."""
+    if job_ids is None:
+        return None
+    existing = []
+    for job_id in job_ids:
+        try:
+            existing.append(validation.check_job_id(job_id))
+        except JobNotFound:
+            continue
+    return existing
 
 
 def _checked_metrics(outcome: JobOutcome) -> tuple[dict[str, Any] | None, JobOutcome]:
