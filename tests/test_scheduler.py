@@ -38,6 +38,10 @@ def always_fails(checkpoint, config):
     raise OSError("the validation data is not reachable")
 
 
+def returns_a_huge_accuracy(checkpoint, config):
+    return {"accuracy": 1e300}
+
+
 def blocks(checkpoint, config):
     RELEASE.wait(30)
     return {"accuracy": 0.0}
@@ -88,7 +92,7 @@ def executor():
 
 
 def make_scheduler(registry, executor, **settings) -> Scheduler:
-    values = dict(service_name="sched-test", heartbeat_s=0.0, poll_interval_s=0.01, lease_s=60)
+    values = dict(service_name="sched-test", heartbeat_s=0.001, poll_interval_s=0.01, lease_s=60)
     values.update(settings)
     return Scheduler(
         registry,
@@ -220,3 +224,31 @@ def test_recover_requeues_what_an_earlier_incarnation_left_running(registry, exe
         "sched-test/old-host:1",
         scheduler.owner,
     ]
+
+
+def test_an_outcome_the_database_refuses_fails_the_job_once(
+    postgres_server_url, executor, tmp_path
+):
+    registry = Registry(postgres_server_url, upgrade=True)
+    try:
+        with registry.engine.begin() as conn:
+            conn.exec_driver_sql(
+                "TRUNCATE runs, checkpoints, metric_values, validation_jobs, "
+                "validation_attempts RESTART IDENTITY CASCADE"
+            )
+            # A rule of this database that ckval does not know: it refuses the outcome.
+            conn.exec_driver_sql(
+                "ALTER TABLE metric_values ADD CONSTRAINT test_sane CHECK (value < 1e200)"
+            )
+        job_id = report(registry, tmp_path, 0, "returns_a_huge_accuracy", max_attempts=3)
+        scheduler = make_scheduler(registry, executor)
+        tick_until(scheduler, lambda: statuses(registry) == ["FAILED"])
+        job = registry.get_job(job_id)
+        # Not retried: recording the same outcome again would be refused again.
+        assert (job.error_type, job.attempts) == ("RegistryRejected", 1)
+        assert "refused" in job.error_message
+        assert scheduler.in_flight == 0 and scheduler.stats["finished"] == 1
+    finally:
+        with registry.engine.begin() as conn:
+            conn.exec_driver_sql("ALTER TABLE metric_values DROP CONSTRAINT IF EXISTS test_sane")
+        registry.close()

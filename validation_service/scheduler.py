@@ -15,6 +15,7 @@ import time
 import uuid
 
 from validation_service.config import Settings
+from validation_service.errors import RegistryRejected
 from validation_service.executors import AttemptHandle, Executor, default_executors
 from validation_service.registry.records import ClaimedJob, JobOutcome
 from validation_service.registry.registry import Registry
@@ -192,10 +193,27 @@ class Scheduler:
             self._finish(handle.job, outcome)
 
     def _finish(self, job: ClaimedJob, outcome: JobOutcome) -> None:
-        if self.registry.finish_job(job.job_id, job.lease_token, outcome, policy=self.retry_policy):
-            self.stats["finished"] += 1
-        else:
-            self.stats["stale"] += 1
+        try:
+            finished = self._record(job, outcome)
+        except RegistryRejected as exc:
+            # The database refuses this outcome (say, a value its column cannot hold):
+            # recording it again would give the same answer, so the job fails with why.
+            logger.error("job %s: its outcome could not be recorded: %s", job.job_id, exc)
+            finished = self._record(
+                job,
+                JobOutcome(
+                    succeeded=False,
+                    error_type="RegistryRejected",
+                    error_message=f"the registry refused this attempt's outcome: {exc}",
+                    retryable=False,
+                ),
+            )
+        self.stats["finished" if finished else "stale"] += 1
+
+    def _record(self, job: ClaimedJob, outcome: JobOutcome) -> bool:
+        return self.registry.finish_job(
+            job.job_id, job.lease_token, outcome, policy=self.retry_policy
+        )
 
     def _enforce_timeouts(self) -> None:
         now = time.monotonic()

@@ -326,6 +326,12 @@ class Registry:
         is stale: a newer attempt owns the job.
         """
         metrics, outcome = _checked_metrics(outcome)
+        try:
+            return self._finish_job(job_id, lease_token, outcome, metrics, policy)
+        except IntegrityError as exc:  # no unique key is written here: a rule of the database
+            raise RegistryRejected(self.display_url, exc) from exc
+
+    def _finish_job(self, job_id, lease_token, outcome, metrics, policy) -> bool:
         now = utcnow()
         with self.db.write() as conn:
             job = transitions.running_job(conn, job_id, lease_token)
