@@ -112,19 +112,16 @@ def world(tmp_path: Path) -> Iterator[World]:
 
     # A service name no Ray cluster has: /service and the retry nudge never touch a real one.
     settings = Settings(service_name=f"ckval-api-test-{uuid.uuid4().hex[:8]}")
-    with TestClient(create_app(settings, registry)) as client:
+    # The API answers loopback Host names only (TestClient's default is "testserver").
+    with TestClient(create_app(settings, registry), base_url="http://localhost") as client:
         yield World(client, registry, jobs)
     registry.close()
 
 
-def test_healthz_names_database_and_schema(world: World, tmp_path: Path):
+def test_healthz_says_only_ok(world: World):
     response = world.client.get("/healthz")
     assert response.status_code == 200
-    body = response.json()
-    assert body["ok"] is True
-    assert body["database"] == f"sqlite:///{tmp_path}/r.db"
-    assert body["schema_revision"] == world.registry.schema_revision()
-    assert body["schema_revision"]
+    assert response.json() == {"ok": True}
 
 
 def test_runs_list_status_tags_and_job_counts(world: World):

@@ -296,23 +296,51 @@ def _unchecked_registry(ctx: click.Context):
 @click.option("--pool", "pools", multiple=True, help="Concurrency cap per pool, e.g. A10G=4.")
 @click.option("--storage", default=None, help="Checkpoint storage URI.")
 @click.option("--http/--no-http", default=True, show_default=True, help="Serve the HTTP API.")
+@click.option(
+    "--host",
+    default=None,
+    help="Address the HTTP API binds to (default CKVAL_HTTP_HOST, 127.0.0.1). Anything "
+    "but a loopback address needs CKVAL_API_TOKEN.",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Port of the HTTP API (default CKVAL_HTTP_PORT, 8780).",
+)
 @click.option("--detach", is_flag=True, help="Start the service on the cluster and return.")
 @click.pass_context
 def serve(
-    ctx: click.Context, pools: tuple[str, ...], storage: str | None, http: bool, detach: bool
+    ctx: click.Context,
+    pools: tuple[str, ...],
+    storage: str | None,
+    http: bool,
+    host: str | None,
+    port: int | None,
+    detach: bool,
 ) -> None:
     """Start the validation service on the Ray cluster (CKVAL_RAY_ADDRESS, else local)."""
     from validation_service.service import ValidationService
 
     obj = ctx.find_root().obj
-    settings = get_settings(database_url=obj.get("database_url"), namespace=obj.get("namespace"))
+    settings = get_settings(
+        database_url=obj.get("database_url"),
+        namespace=obj.get("namespace"),
+        http_host=host,
+        http_port=port,
+    )
+    serves_http = http and not detach
+    if serves_http:
+        from validation_service.api import check_bind
+
+        check_bind(settings)  # before Ray starts: an open API without a token never runs
     handle = ValidationService.start(
         storage=storage, pools=_parse_pools(pools) or None, settings=settings
     )
     click.echo(json.dumps(handle.status(), indent=1, default=str))
     if detach:
         return
-    if http:
+    if serves_http:
         import uvicorn
 
         from validation_service.api import create_app
@@ -323,6 +351,7 @@ def serve(
             host=settings.http_host,
             port=settings.http_port,
             log_level="warning",
+            server_header=False,
         )
         return
     try:

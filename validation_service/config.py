@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
 from validation_service.errors import InvalidSettings
@@ -128,10 +129,47 @@ class Settings(BaseSettings):
     def pool_size(self, pool: str) -> int:
         return self.pools.get(pool, self.default_pool_size)
 
+    # HTTP API access control (api.py): token, allowed Host headers, retry cap.
+    # Bearer token of every route but /healthz; excluded from dumps and from ckval_env(),
+    # so it never travels to Ray.
+    api_token: SecretStr | None = Field(default=None, exclude=True)
+    # Host headers the API answers; None: localhost, 127.0.0.1, ::1 and a non-wildcard
+    # http_host; ["*"]: any.
+    api_hosts: Annotated[list[str] | None, NoDecode] = None
+    # Retries through the API: each grants max_attempts afresh, and a job makes at most
+    # max_attempts x (1 + max_manual_retries) attempts in all.
+    max_manual_retries: int = Field(default=3, ge=0)
+
+    @field_validator("api_token", mode="before")
+    @classmethod
+    def _strip_api_token(cls, value: Any) -> Any:
+        # A token read from a file often ends in a newline; an empty one means "unset".
+        if isinstance(value, str):
+            return value.strip() or None
+        return value
+
+    @field_validator("api_hosts", mode="before")
+    @classmethod
+    def _split_api_hosts(cls, value: Any) -> Any:
+        # CKVAL_API_HOSTS is a JSON list or comma-separated names.
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [host.strip() for host in text.split(",") if host.strip()]
+        return value
+
+
+# Settings only the HTTP API reads: never copied into Ray's runtime_env (which Ray's
+# dashboard shows), so a Ray worker or the service actor never holds them.
+_API_ONLY_ENV = frozenset({f"{ENV_PREFIX}API_TOKEN"})
+
 
 def ckval_env() -> dict[str, str]:
     """The CKVAL_* variables of this process, to hand on to Ray workers and actors."""
-    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+    return {
+        k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX) and k not in _API_ONLY_ENV
+    }
 
 
 def get_settings(**overrides) -> Settings:

@@ -96,6 +96,22 @@ class JobNotFound(CkvalError, LookupError):
         super().__init__(f"No validation job with id {job_id}. List jobs with `ckval jobs RUN`.")
 
 
+class RetryLimitReached(CkvalError):
+    """A retry was refused: the job has made all the attempts its retries may grant."""
+
+    def __init__(self, job_ids: list[int], max_retries: int):
+        self.job_ids = job_ids
+        self.max_retries = max_retries
+        ids = ", ".join(str(job_id) for job_id in job_ids)
+        super().__init__(
+            f"Validation job(s) {ids} used up their retries: with {max_retries} retries "
+            f"(CKVAL_MAX_MANUAL_RETRIES) a job makes at most max_attempts x "
+            f"(1 + {max_retries}) attempts in all, and these made them. Nothing was retried. "
+            "See why they fail (`ckval job ID` or GET /jobs/ID shows the traceback), then "
+            "report the checkpoint again, or raise CKVAL_MAX_MANUAL_RETRIES."
+        )
+
+
 class CheckpointNotFound(CkvalError, FileNotFoundError):
     """The checkpoint (or its manifest) is not where the registry says it is."""
 

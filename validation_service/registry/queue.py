@@ -58,15 +58,19 @@ class Queue:
         ).all()
         return [job_record(job, run, index) for job, index in rows]
 
-    def get_job(self, job_id: int) -> JobRecord:
+    def get_job(self, job_id: int, namespace: str | None = None) -> JobRecord:
+        """The job with this id (only if its run is in ``namespace``, when given)."""
+        query = (
+            select(ValidationJob, Checkpoint.report_index, Run.name)
+            .join(Checkpoint, Checkpoint.id == ValidationJob.checkpoint_id)
+            .join(Run, Run.id == ValidationJob.run_id)
+            .options(selectinload(ValidationJob.attempt_rows))
+            .where(ValidationJob.id == job_id)
+        )
+        if namespace is not None:
+            query = query.where(Run.namespace == namespace)
         with self.db.read() as session:
-            row = session.execute(
-                select(ValidationJob, Checkpoint.report_index, Run.name)
-                .join(Checkpoint, Checkpoint.id == ValidationJob.checkpoint_id)
-                .join(Run, Run.id == ValidationJob.run_id)
-                .options(selectinload(ValidationJob.attempt_rows))
-                .where(ValidationJob.id == job_id)
-            ).first()
+            row = session.execute(query).first()
             if row is None:
                 raise JobNotFound(job_id)
             job, index, run = row

@@ -18,7 +18,13 @@ from sqlalchemy.exc import IntegrityError
 
 from validation_service import validation
 from validation_service.config import Settings, get_settings
-from validation_service.errors import InvalidInput, JobNotFound, RegistryRejected, UnknownMetric
+from validation_service.errors import (
+    InvalidInput,
+    JobNotFound,
+    RegistryRejected,
+    RetryLimitReached,
+    UnknownMetric,
+)
 from validation_service.jobs import JobStatus, ValidationStatus
 from validation_service.metrics import normalize_metrics
 from validation_service.registry import transitions
@@ -249,8 +255,10 @@ class Registry:
             return self.queue.validations(session, run_id, run)
 
     @retry_on_disconnect
-    def get_job(self, job_id: int) -> JobRecord:
-        return self.queue.get_job(validation.check_job_id(job_id))
+    def get_job(self, job_id: int, *, namespace: str | None = None) -> JobRecord:
+        """The job with this id; with ``namespace``, a job of another namespace is
+        JobNotFound too (the HTTP API passes its own)."""
+        return self.queue.get_job(validation.check_job_id(job_id), namespace)
 
     @retry_on_disconnect
     def job_counts(self, run: str | None = None) -> dict[str, int]:
@@ -434,9 +442,17 @@ class Registry:
         *,
         run: str | None = None,
         statuses: Iterable[JobStatus] = RETRYABLE_STATUSES,
+        max_retries: int | None = None,
     ) -> list[int]:
         """Requeues FAILED, TIMED_OUT and CANCELLED jobs (or only ``statuses`` of those)
-        with a fresh attempt budget."""
+        with a fresh attempt budget.
+
+        With ``max_retries``, a job makes at most max_attempts x (1 + max_retries) attempts
+        in all: one that made them is not retried, and the last budget is cut to what is
+        left. A named job id that made them raises RetryLimitReached and nothing is
+        retried; a run's such jobs are left as they are (RetryLimitReached when that is
+        all of them).
+        """
         if job_ids is None and run is None:
             raise InvalidInput("retry needs job ids or a run name")
         statuses = [JobStatus(s) for s in statuses]
@@ -447,7 +463,12 @@ class Registry:
         now = utcnow()
         with self.db.write() as conn:
             jobs = self.queue.select_jobs(conn, statuses, job_ids, run_id)
-            return transitions.retry(conn, jobs, now)
+            if max_retries is not None:
+                spent = [j.id for j in jobs if j.attempts >= j.max_attempts * (1 + max_retries)]
+                if spent and (job_ids is not None or len(spent) == len(jobs)):
+                    raise RetryLimitReached(spent, max_retries)
+                jobs = [job for job in jobs if job.id not in spent]
+            return transitions.retry(conn, jobs, now, max_retries=max_retries)
 
     def _run_id_or_none(self, run: str | None) -> int | None:
         if run is None:

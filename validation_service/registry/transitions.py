@@ -7,7 +7,7 @@ and attempt rows, and the validation status its checkpoint mirrors.
     finish         RUNNING                   -> SUCCEEDED | FAILED | TIMED_OUT | QUEUED
     expire         RUNNING                   -> QUEUED | FAILED  (its lease holder is gone)
     cancel         QUEUED, RUNNING           -> CANCELLED
-    retry          FAILED, TIMED_OUT, CANCELLED -> QUEUED  (a fresh attempt budget)
+    retry          FAILED, TIMED_OUT, CANCELLED -> QUEUED  (a fresh attempt budget, capped)
 
 Each takes an open connection (the caller owns the transaction) and repeats the states it
 starts from in its WHERE clause, so it never applies to a job that moved on meanwhile.
@@ -20,7 +20,7 @@ import datetime as dt
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import and_, bindparam, func, insert, or_, select, update
+from sqlalchemy import and_, bindparam, case, func, insert, or_, select, update
 from sqlalchemy.engine import Connection, Row
 
 from validation_service.jobs import (
@@ -282,11 +282,23 @@ def cancel(
     return [job.id for job in cancelled]
 
 
-def retry(conn: Connection, jobs: Sequence[Row], now: dt.datetime) -> list[int]:
-    """FAILED, TIMED_OUT or CANCELLED -> QUEUED with a fresh budget of attempts."""
+def retry(
+    conn: Connection, jobs: Sequence[Row], now: dt.datetime, *, max_retries: int | None = None
+) -> list[int]:
+    """FAILED, TIMED_OUT or CANCELLED -> QUEUED with a fresh budget of attempts.
+
+    With ``max_retries`` the budget stops at max_attempts x (1 + max_retries) attempts in
+    all (the caller leaves out jobs that made them already).
+    """
+    budget_from: Any = _jobs.c.attempts
+    if max_retries is not None:
+        last_budget_from = _jobs.c.max_attempts * max_retries
+        budget_from = case(
+            (_jobs.c.attempts < last_budget_from, _jobs.c.attempts), else_=last_budget_from
+        )
     values = {
         "status": JobStatus.QUEUED.value,
-        "attempts_before_retry": _jobs.c.attempts,
+        "attempts_before_retry": budget_from,
         **_NO_ERROR,
         "not_before": now,
         "finished_at": None,
