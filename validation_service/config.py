@@ -6,8 +6,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from validation_service.names import check_name
 
 ENV_PREFIX = "CKVAL_"
 
@@ -33,6 +35,12 @@ class Settings(BaseSettings):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     ray_address: str | None = None
     namespace: str = "default"
+
+    # A namespace is a folder under the storage root: one safe path segment.
+    @field_validator("namespace")
+    @classmethod
+    def _namespace_is_a_safe_name(cls, value: str) -> str:
+        return check_name("namespace", value, where=f"{ENV_PREFIX}NAMESPACE")
 
     service_name: str = "ckval-service"
     ray_namespace: str = "ckval"
