@@ -15,7 +15,7 @@ from ray.train import Checkpoint
 
 import trainer_integration
 from trainer_integration import CheckpointUploadMode, Client
-from validation_service.errors import InvalidInput, RunNotFound
+from validation_service.errors import InvalidInput
 from validation_service.registry.registry import Registry
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -149,16 +149,18 @@ def test_async_and_no_upload_modes(service, tmp_path, unique_run):
 
 
 def test_report_survives_an_unreachable_registry_and_raises_when_it_stays_down(
-    tmp_path, unique_run, postgres_server_url
+    tmp_path, unique_run, postgres_server_url, caplog
 ):
     """PostgreSQL becomes unreachable (its connections cut, new ones refused) after the
-    run started: reports are kept and delivered when it comes back, or raised at the
-    next report() when it does not come back in time."""
+    run started. A report whose index was reserved is kept and delivered when it comes
+    back, or raised at the next report() when it does not come back in time. A report
+    made while it is down cannot reserve its index: it is refused, nothing stored."""
     import sqlalchemy as sa
 
     from tests.tcp_proxy import TcpProxy
     from trainer_integration import ReportNotDelivered
     from validation_service.config import get_settings
+    from validation_service.errors import RegistryUnavailable
 
     Registry(postgres_server_url, upgrade=True).close()
     url = sa.engine.make_url(postgres_server_url)
@@ -167,28 +169,53 @@ def test_report_survives_an_unreachable_registry_and_raises_when_it_stays_down(
     through_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
     settings = get_settings(database_url=through_proxy, delivery_timeout_s=4.0)
     client = Client(unique_run, settings)
-    client._reporter._start_service = False  # no service: this is about the registry
+    reporter = client._reporter
+    reporter._start_service = False  # no service: this is about the registry
+    run_folder = os.path.join(settings.resolved_storage(), settings.namespace, unique_run)
+
+    def report_then_cut_the_registry(value) -> int:
+        """Reserves the report's index, then cuts the registry before the copy ends."""
+        copy_may_start = threading.Event()
+        reporter._storing_thread().submit(copy_may_start.wait, 60)  # the copy waits
+        index = client.report(
+            {"v": value},
+            make_checkpoint(tmp_path, value),
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+        )
+        proxy.stop()
+        copy_may_start.set()
+        deadline = time.monotonic() + 60
+        while f"report {index} of run {unique_run!r} is retried" not in caplog.text:
+            assert time.monotonic() < deadline, "the registration never met the outage"
+            time.sleep(0.05)
+        return index
+
     try:
         proxy.stop()
         started = time.perf_counter()
-        index = client.report({"v": 1}, make_checkpoint(tmp_path, 1))
-        blocked = time.perf_counter() - started
+        with pytest.raises(RegistryUnavailable, match="unavailable"):
+            client.report({"v": 0}, make_checkpoint(tmp_path, 0))
+        refused_after = time.perf_counter() - started
+        assert not os.path.exists(run_folder) or os.listdir(run_folder) == []
+        proxy.start()
+
+        index = report_then_cut_the_registry(1)
         proxy.start()  # back within delivery_timeout_s
         client.flush(timeout_s=30)
         [record] = Registry(postgres_server_url).checkpoints(unique_run)
         assert record.report_index == index and record.reported_metrics == {"v": 1}
 
-        proxy.stop()  # now it stays down past delivery_timeout_s
-        lost = client.report({"v": 2}, make_checkpoint(tmp_path, 2))
+        lost = report_then_cut_the_registry(2)  # now it stays down past delivery_timeout_s
         deadline = time.monotonic() + 60
-        while not all(f.done() for _, f in client._reporter._pending):
+        while not all(f.done() for _, f in reporter._pending):
             assert time.monotonic() < deadline, "background delivery never gave up"
             time.sleep(0.1)
         with pytest.raises(ReportNotDelivered, match=rf"(?s)indices \[{lost}\].*in storage"):
             client.report({"v": 3}, make_checkpoint(tmp_path, 3))
+        assert os.path.isdir(os.path.join(run_folder, f"checkpoint_{lost:06d}"))
     finally:
         proxy.stop()
-    assert blocked < settings.delivery_timeout_s
+    assert refused_after < settings.delivery_timeout_s
 
 
 def report_context(checkpoint, config):
@@ -312,8 +339,9 @@ def test_an_async_copy_that_fails_is_raised_by_the_next_report(tmp_path, unique_
         failed.registered.result(timeout=30)
     with pytest.raises(ReportNotDelivered, match=r"report indices \[0\]"):
         reporter.store_and_register({}, make_checkpoint(tmp_path, 2.0), None)
-    with pytest.raises(RunNotFound):  # nothing was registered: not even the run
-        reporter.registry.checkpoints(unique_run)
+    # Nothing was registered; index 0 stays reserved (never handed out again).
+    assert reporter.registry.checkpoints(unique_run) == []
+    assert reporter.registry.next_report_index(reporter.run_id) == 1
     assert (tmp_path / "ckpt-1.0" / "value.json").exists()  # nothing of the user's lost
 
 

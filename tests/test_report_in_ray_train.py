@@ -132,22 +132,32 @@ def test_async_reports_in_ray_train_are_validated_in_order_and_resolve(
     assert os.listdir(tmp_path) == []
 
 
-def unreadable_at_step_one(config) -> None:
+def file_gone_at_step_one(config) -> None:
+    import threading
+
     import ray.train
 
-    rank = ray.train.get_context().get_world_rank()
+    import trainer_integration
+
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
     for step in range(3):
         if rank == 0:
             directory = write_checkpoint(step)
+            copy_may_start = threading.Event()
             if step == 1:
-                # A file that looks regular but cannot be read: every read of
-                # /proc/self/mem from its start fails (EIO), even for root.
-                os.symlink("/proc/self/mem", os.path.join(directory, "unreadable.bin"))
+                # The copy of step 1 starts only once a file that report() listed is
+                # gone: the copy fails, as a folder changed under an ASYNC upload does.
+                reporter = trainer_integration._reporters[context.get_experiment_name()]
+                reporter._storing_thread().submit(copy_may_start.wait, 120)
             report(
                 {"step": step},
                 ray.train.Checkpoint.from_directory(directory),
                 checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
             )
+            if step == 1:
+                os.remove(os.path.join(directory, "state.json"))
+                copy_may_start.set()
         else:
             report({"step": step}, None, checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
 
@@ -158,9 +168,9 @@ def test_an_async_copy_that_fails_fails_the_run_as_ray_trains_own_upload_does(
     from ray.train import RunConfig, ScalingConfig
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    with pytest.raises(ray.train.TrainingFailedError, match="Input/output error"):
+    with pytest.raises(ray.train.TrainingFailedError, match="No such file.*state.json"):
         DataParallelTrainer(
-            unreadable_at_step_one,
+            file_gone_at_step_one,
             scaling_config=ScalingConfig(num_workers=2),
             run_config=RunConfig(name=unique_run, storage_path=str(session_home / "ray_results")),
         ).fit()

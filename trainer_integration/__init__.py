@@ -20,6 +20,8 @@ from trainer_integration._reporter import (
     validation_request,
 )
 from validation_service.errors import InvalidInput
+from validation_service.names import RULE as NAME_RULE
+from validation_service.names import check_name, is_safe_name, suggested_name
 
 __all__ = [
     "CheckpointUploadMode",
@@ -111,7 +113,7 @@ def _report_in_ray_train(context, metrics, checkpoint, job, mode, delete_local) 
     if checkpoint is None:
         ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
         return
-    reporter = _reporter(context.get_experiment_name())
+    reporter = _reporter(ray_train_run_name(context))
     try:
         if mode is CheckpointUploadMode.NO_UPLOAD:
             stored = StoredReport.finished(*reporter.report(metrics, checkpoint, job, mode))
@@ -316,7 +318,28 @@ def _prepare(
     return plain_metrics(metrics), job
 
 
+def ray_train_run_name(context) -> str:
+    """The ckval run of a Ray Train run: its RunConfig name, which must be a safe name.
+
+    Ray Train takes any string as ``RunConfig(name=...)`` and makes it a folder of its
+    own storage; ckval refuses rather than maps the names it cannot store as one folder
+    (with '/', spaces, a leading '.'): the run name is what users query by
+    (``registry.checkpoints(name)``, ``ckval runs``, ``/runs/{name}``), and a mapped
+    name would not find their run. Ray's default name, ``ray_train_run-<date>_<time>``,
+    is valid.
+    """
+    name = context.get_experiment_name()
+    if not is_safe_name(name):
+        raise InvalidInput(
+            f"Ray Train run name {name!r} (RunConfig(name=...)) cannot name a ckval run: "
+            f"use {NAME_RULE}. Rename the run, for example "
+            f"RunConfig(name={suggested_name(name)!r}); nothing was stored."
+        )
+    return name
+
+
 def _reporter(run: str, settings=None, *, start_service: bool = True) -> RunReporter:
+    check_name("run name", run)
     with _reporters_lock:
         reporter = _reporters.get(run)
         if reporter is None:
@@ -340,6 +363,8 @@ def _set_up_rank_zero_early() -> None:
     if context is None or context.get_world_rank() != 0:
         return
     run = context.get_experiment_name()
+    if not is_safe_name(run):  # the first report() raises, saying how to rename it
+        return
     threading.Thread(target=_set_up, args=(run,), name="ckval-set-up", daemon=True).start()
 
 

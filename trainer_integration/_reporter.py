@@ -28,8 +28,9 @@ from validation_service.errors import (
 )
 from validation_service.jobs import ExecutorKind
 from validation_service.metrics import normalize_metrics, to_plain
+from validation_service.names import check_name
 from validation_service.request import ValidationRequest
-from validation_service.storage import CheckpointStorage, PersistedCheckpoint
+from validation_service.storage import CheckpointFolder, CheckpointStorage, PersistedCheckpoint
 from validation_service.validate_fn import import_validate_fn
 from validation_service.validation import check_resources, check_step_and_epoch
 
@@ -194,19 +195,16 @@ class RunReporter:
     def __init__(self, run: str, settings: Settings | None = None, *, start_service: bool = True):
         from validation_service.registry.registry import Registry
 
-        self.run = run
+        self.run = check_name("run name", run)
         self.settings = settings or resolve_settings()
         self.registry = Registry(settings=self.settings)
         self.storage = CheckpointStorage(
             self.settings.resolved_storage(), self.settings.storage_options
         )
         self._lock = threading.Lock()
-        # The run is created by its first registered checkpoint (or by ensure_run()):
-        # setting a reporter up writes nothing.
+        # The run is created by its first report's index reservation (or by
+        # ensure_run()): setting a reporter up writes nothing.
         self._run_id = self.registry.find_run_id(run)
-        self._next_index = (
-            0 if self._run_id is None else self.registry.next_report_index(self._run_id)
-        )
         self._start_service = start_service
         self._service = None
         self._nudger: _Nudger | None = None
@@ -246,20 +244,40 @@ class RunReporter:
             )
 
     def reserve_index(self) -> int:
-        with self._lock:
-            index = self._next_index
-            self._next_index += 1
-            return index
+        """Reserves the report index of one report in the registry (creating the run).
 
-    def persist(self, checkpoint, mode: CheckpointUploadMode, index: int) -> PersistedCheckpoint:
+        The registry hands each index out once, whichever process asks: any number of
+        processes may report to one run, and their checkpoint folders never collide.
+        One process's reports get increasing indices, in the order it reports them.
+        """
+        return self.registry.reserve_report_index(self.run_id)
+
+    def scan(self, checkpoint) -> CheckpointFolder | None:
+        """Lists a local checkpoint folder before its index is reserved (see
+        CheckpointStorage.scan), refusing one that cannot be stored; None if remote."""
+        return self.storage.scan(checkpoint.path) if _is_local(checkpoint) else None
+
+    def adopt(self, checkpoint) -> PersistedCheckpoint:
+        """Registers a checkpoint already in ckval's storage where it is (NO_UPLOAD)."""
+        uri = checkpoint.path if _is_local(checkpoint) else _uri_of(checkpoint)
+        return self.storage.adopt(uri)
+
+    def persist(
+        self,
+        checkpoint,
+        mode: CheckpointUploadMode,
+        index: int,
+        source: CheckpointFolder | None = None,
+    ) -> PersistedCheckpoint:
+        """Stores a checkpoint under its reserved index (``source``: its scan, if done)."""
         if mode is CheckpointUploadMode.NO_UPLOAD:
-            uri = checkpoint.path if _is_local(checkpoint) else _uri_of(checkpoint)
-            return self.storage.adopt(uri)
+            return self.adopt(checkpoint)
+        namespace = self.settings.namespace
         if _is_local(checkpoint):
-            return self.storage.upload(checkpoint.path, self.settings.namespace, self.run, index)
+            return self.storage.upload(source or checkpoint.path, namespace, self.run, index)
         with tempfile.TemporaryDirectory(prefix="ckval-upload-") as tmp:
             local = checkpoint.to_directory(tmp)
-            return self.storage.upload(local, self.settings.namespace, self.run, index)
+            return self.storage.upload(local, namespace, self.run, index)
 
     def register(
         self,
@@ -303,11 +321,14 @@ class RunReporter:
             stored = self.store_and_register(metrics, checkpoint, job, delete_local=delete_local)
             return stored.index, stored.uri
         self.raise_undelivered()
-        index = self.reserve_index()
+        # A checkpoint that cannot be stored is refused before an index is reserved.
         if mode is CheckpointUploadMode.SYNC:
-            persisted = self._store(checkpoint, index, delete_local)
+            source = self.scan(checkpoint)
+            index = self.reserve_index()
+            persisted = self._store(checkpoint, index, delete_local, source)
         else:
-            persisted = self.persist(checkpoint, mode, index)
+            persisted = self.adopt(checkpoint)  # stays where it is: no folder to name
+            index = self.reserve_index()
         self._register_or_deliver(index, persisted, metrics, job)
         return index, persisted.uri
 
@@ -334,8 +355,9 @@ class RunReporter:
         info = checkpoint.filesystem.get_file_info(checkpoint.path)
         if info.type != pyarrow.fs.FileType.Directory:
             raise CheckpointNotFound(checkpoint.path, "the reported checkpoint is not a folder")
+        source = self.scan(checkpoint)
         index = self.reserve_index()
-        stored = self._storing_thread().submit(self._store, checkpoint, index, delete_local)
+        stored = self._storing_thread().submit(self._store, checkpoint, index, delete_local, source)
 
         def register() -> None:
             self._deliver(index, stored.result(), metrics, job)
@@ -343,8 +365,10 @@ class RunReporter:
         registered = self._in_background(index, register)
         return StoredReport(index, self._upload_uri(index), stored, registered)
 
-    def _store(self, checkpoint, index: int, delete_local: bool) -> PersistedCheckpoint:
-        persisted = self.persist(checkpoint, CheckpointUploadMode.SYNC, index)
+    def _store(
+        self, checkpoint, index: int, delete_local: bool, source: CheckpointFolder | None
+    ) -> PersistedCheckpoint:
+        persisted = self.persist(checkpoint, CheckpointUploadMode.SYNC, index, source)
         if delete_local and _is_local(checkpoint):
             # As ray.train.report(delete_local_checkpoint_after_upload=True) does.
             shutil.rmtree(checkpoint.path, ignore_errors=True)

@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
 from validation_service.errors import InvalidSettings
+from validation_service.names import check_name
 
 ENV_PREFIX = "CKVAL_"
 # Settings given as JSON objects, with an example for the error that says how.
@@ -44,6 +45,12 @@ class Settings(BaseSettings):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     ray_address: str | None = None
     namespace: str = "default"
+
+    # A namespace is a folder under the storage root: one safe path segment.
+    @field_validator("namespace")
+    @classmethod
+    def _namespace_is_a_safe_name(cls, value: str) -> str:
+        return check_name("namespace", value, where=f"{ENV_PREFIX}NAMESPACE")
 
     service_name: str = "ckval-service"
     ray_namespace: str = "ckval"

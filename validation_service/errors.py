@@ -135,6 +135,35 @@ class CheckpointCorrupt(CkvalError, ValueError):
         )
 
 
+class CheckpointExists(CkvalError, FileExistsError):
+    """A checkpoint folder is already where a new report was to be stored."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        super().__init__(
+            f"A checkpoint folder already exists at {uri}; nothing was overwritten and this "
+            "report was not stored. The registry does not know it at this report index: was "
+            "the registry database replaced while the storage was kept? Point CKVAL_STORAGE "
+            "(or CKVAL_NAMESPACE) at a fresh location, or move the folder away."
+        )
+
+
+class ReportIndexTaken(CkvalError):
+    """A report index that another checkpoint of the run already holds."""
+
+    def __init__(self, run: str, report_index: int, uri: str, existing_uri: str):
+        self.run = run
+        self.report_index = report_index
+        self.uri = uri
+        self.existing_uri = existing_uri
+        super().__init__(
+            f"Report index {report_index} of run {run} already holds the checkpoint at "
+            f"{existing_uri}; {uri} was not registered. Report indices come from "
+            "Registry.reserve_report_index(run_id): reserve one per report instead of "
+            "choosing it."
+        )
+
+
 class ValidationFnError(CkvalError):
     """A validate_fn raised, or returned something that is not a metrics dict."""
 

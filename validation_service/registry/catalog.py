@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from validation_service.errors import InvalidInput, RunNotFound
 from validation_service.jobs import MetricSource, RunStatus, ValidationStatus
 from validation_service.metrics import normalize_metrics, rankable
+from validation_service.names import check_name
 from validation_service.registry.database import Database
 from validation_service.registry.models import Checkpoint, MetricValue, Run, utcnow
 from validation_service.registry.records import CheckpointRecord, RunRecord, record_from
@@ -88,11 +89,29 @@ class Catalog:
 
     # ---------------------------------------------------------- checkpoints
     def next_report_index(self, run_id: int) -> int:
+        """The index the run's next reservation gets (reserves nothing)."""
         with self.db.read() as session:
-            current = session.scalar(
-                select(func.max(Checkpoint.report_index)).where(Checkpoint.run_id == run_id)
-            )
-            return 0 if current is None else current + 1
+            current = session.scalar(select(Run.next_report_index).where(Run.id == run_id))
+            if current is None:
+                raise RunNotFound(f"id {run_id}", self.namespace)
+            return current
+
+    def reserve_report_index(self, run_id: int) -> int:
+        """Reserves the run's next report index for one report, atomically.
+
+        One ``UPDATE ... RETURNING`` on the run's row: concurrent reporters, in any
+        number of processes, each get an index of their own, in the order they ask.
+        """
+        with self.db.write() as conn:
+            following = conn.execute(_RESERVE_REPORT_INDEX, {"b_run_id": run_id}).scalar()
+        if following is None:
+            raise RunNotFound(f"id {run_id}", self.namespace)
+        return following - 1
+
+    def keep_counter_past(self, conn: Connection, run_id: int, report_index: int) -> None:
+        """Moves the run's counter past an index registered without a reservation
+        (a direct register_checkpoint or an import), so that no reservation returns it."""
+        conn.execute(_KEEP_COUNTER_PAST, {"b_run_id": run_id, "b_report_index": report_index})
 
     def insert_checkpoint(self, conn: Connection, row: dict[str, Any]) -> int:
         """Adds a checkpoints row (see checkpoint_row) and its reported metric values."""
@@ -101,6 +120,17 @@ class Catalog:
         if values:
             conn.execute(_INSERT_METRIC_VALUE, values)
         return checkpoint_id
+
+    def find_checkpoint(
+        self, session: Session, run_id: int, report_index: int
+    ) -> tuple[int, str, str] | None:
+        """(id, uri, run name) of the run's checkpoint at a report index, or None."""
+        row = session.execute(
+            select(Checkpoint.id, Checkpoint.uri, Run.name)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(Checkpoint.run_id == run_id, Checkpoint.report_index == report_index)
+        ).first()
+        return None if row is None else tuple(row)
 
     def find_checkpoint_id(self, session: Session, run_id: int, report_index: int) -> int | None:
         return session.scalar(
@@ -129,6 +159,7 @@ class Catalog:
             return 0
         with self.db.write() as conn:
             ids = conn.execute(_INSERT_CHECKPOINTS_IN_ORDER, rows).scalars().all()
+            self.keep_counter_past(conn, run_id, max(row["report_index"] for row in rows))
             values = [
                 value
                 for checkpoint_id, row in zip(ids, rows, strict=True)
@@ -294,13 +325,8 @@ def metric_rows(
 
 
 def check_run_name(name: str) -> None:
-    if not isinstance(name, str) or not name.strip():
-        raise InvalidInput(f"run name must be a non-empty str, got {name!r}")
-    if len(name) > 255 or any(c in name for c in "\x00/\\") or name in (".", ".."):
-        raise InvalidInput(
-            f"run name {name!r} is not allowed: use at most 255 characters, "
-            "no '/', '\\' or NUL, and not '.' or '..'"
-        )
+    """Refuses a run name that is no safe storage folder name (see names.check_name)."""
+    check_name("run name", name)
 
 
 def run_record(run: Run) -> RunRecord:
@@ -333,6 +359,21 @@ def _copy_metric_values(conn: Connection, values: list[dict[str, Any]]) -> None:
 # Statements built once, values bound per call (SQLAlchemy then reuses the compiled form
 # instead of rebuilding it from .values()): register_checkpoint runs once per report.
 _INSERT_RUN = insert(_runs).returning(_runs.c.id)
+_RESERVE_REPORT_INDEX = (
+    update(_runs)
+    .where(_runs.c.id == bindparam("b_run_id"))
+    .values(next_report_index=_runs.c.next_report_index + 1)
+    .returning(_runs.c.next_report_index)
+)
+# Matches no row (and so locks none) when the counter is already past the index.
+_KEEP_COUNTER_PAST = (
+    update(_runs)
+    .where(
+        _runs.c.id == bindparam("b_run_id"),
+        _runs.c.next_report_index <= bindparam("b_report_index"),
+    )
+    .values(next_report_index=bindparam("b_report_index") + 1)
+)
 _INSERT_CHECKPOINT = insert(_checkpoints).returning(_checkpoints.c.id)
 _INSERT_METRIC_VALUE = insert(_values)
 _INSERT_CHECKPOINTS_IN_ORDER = insert(_checkpoints).returning(

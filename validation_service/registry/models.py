@@ -63,6 +63,9 @@ class Run(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     status: Mapped[str] = mapped_column(String(16), default=RunStatus.RUNNING.value)
     tags: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # The report index the next report of this run gets: every reporting process reserves
+    # its indices here (an atomic increment), so no two reports share an index or a folder.
+    next_report_index: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     checkpoints: Mapped[list[Checkpoint]] = relationship(back_populates="run")
 

@@ -7,7 +7,18 @@ import datetime as dt
 import functools
 from typing import Any
 
-from sqlalchemy import Float, Integer, String, bindparam, func, insert, literal, select, true
+from sqlalchemy import (
+    Float,
+    Integer,
+    String,
+    bindparam,
+    func,
+    insert,
+    literal,
+    select,
+    true,
+    update,
+)
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
@@ -15,7 +26,13 @@ from validation_service.jobs import MetricSource
 from validation_service.metrics import rankable
 from validation_service.registry import transitions
 from validation_service.registry.catalog import Catalog, checkpoint_row
-from validation_service.registry.models import Checkpoint, MetricValue, ValidationJob, utcnow
+from validation_service.registry.models import (
+    Checkpoint,
+    MetricValue,
+    Run,
+    ValidationJob,
+    utcnow,
+)
 from validation_service.request import ValidationRequest
 
 
@@ -27,10 +44,12 @@ def insert_checkpoint_and_job(
     now: dt.datetime,
 ) -> tuple[int, int | None]:
     """Adds a checkpoints row (catalog.checkpoint_row), its metric values and, with a
-    request, its QUEUED job; returns (checkpoint id, job id or None)."""
+    request, its QUEUED job; returns (checkpoint id, job id or None). The run's report
+    index counter is moved past the row's index if a reservation did not already."""
     if conn.dialect.name == "postgresql":
         return _register_in_one_statement(conn, row, request)
     checkpoint_id = catalog.insert_checkpoint(conn, row)
+    catalog.keep_counter_past(conn, row["run_id"], row["report_index"])
     job_id = None
     if request is not None:
         job_id = transitions.enqueue(
@@ -50,7 +69,7 @@ def _register_in_one_statement(
             request, 0, row["run_id"], row["report_index"], row["created_at"]
         )
         params.update({f"j_{name}": job_row[name] for name in _job_columns()})
-    checkpoint_id, job_id, _ = conn.execute(
+    checkpoint_id, job_id, _, _ = conn.execute(
         _one_statement_registration(request is not None), params
     ).one()
     return checkpoint_id, job_id
@@ -63,9 +82,10 @@ def _one_statement_registration(with_job: bool):
 
     Parameters: the checkpoint's columns prefixed ``c_``, the job's prefixed ``j_``, and
     ``m_names``/``m_values`` (arrays) for the metric values. Returns (checkpoint id, job
-    id or None, metric values inserted).
+    id or None, metric values inserted, run counters moved: 0 after a reservation).
     """
     checkpoints, values, jobs = Checkpoint.__table__, MetricValue.__table__, ValidationJob.__table__
+    runs = Run.__table__
     new_checkpoint = (
         insert(checkpoints)
         .values({name: bindparam(f"c_{name}") for name in _checkpoint_columns()})
@@ -111,10 +131,22 @@ def _one_statement_registration(with_job: bool):
             .cte("new_job")
         )
         job_id = select(new_job.c.id).scalar_subquery()
+    # As Catalog.keep_counter_past; a CTE runs only if the statement refers to it.
+    counter_moved = (
+        update(runs)
+        .where(
+            runs.c.id == bindparam("c_run_id"),
+            runs.c.next_report_index <= bindparam("c_report_index"),
+        )
+        .values(next_report_index=bindparam("c_report_index") + 1)
+        .returning(runs.c.id)
+        .cte("counter_moved")
+    )
     return select(
         new_checkpoint.c.id,
         job_id,
         select(func.count()).select_from(new_values).scalar_subquery(),
+        select(func.count()).select_from(counter_moved).scalar_subquery(),
     )
 
 

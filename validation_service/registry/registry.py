@@ -22,11 +22,13 @@ from validation_service.errors import (
     InvalidInput,
     JobNotFound,
     RegistryRejected,
+    ReportIndexTaken,
     RetryLimitReached,
     UnknownMetric,
 )
 from validation_service.jobs import JobStatus, ValidationStatus
 from validation_service.metrics import normalize_metrics
+from validation_service.names import check_name
 from validation_service.registry import transitions
 from validation_service.registry.catalog import Catalog, Mode, checkpoint_row
 from validation_service.registry.database import Database, retry_on_disconnect
@@ -69,7 +71,7 @@ class Registry:
     ):
         self.settings = settings or get_settings()
         self.url = database_url or self.settings.resolved_database_url()
-        self.namespace = namespace or self.settings.namespace
+        self.namespace = check_name("namespace", namespace or self.settings.namespace)
         self.db = Database(self.url, source=_url_source(database_url, self.settings))
         self.engine = self.db.engine
         self.catalog = Catalog(self.db, self.namespace)
@@ -130,7 +132,19 @@ class Registry:
     # ------------------------------------------------------------ checkpoints
     @retry_on_disconnect
     def next_report_index(self, run_id: int) -> int:
+        """The report index the run's next reservation gets; reserves nothing."""
         return self.catalog.next_report_index(run_id)
+
+    @retry_on_disconnect
+    def reserve_report_index(self, run_id: int) -> int:
+        """Reserves a report index of the run for one report; never the same one twice.
+
+        Every reporting process, however many report to the run, takes its indices
+        here, before it copies the checkpoint into the folder named after the index.
+        An index whose report is never registered (its copy failed, its process died)
+        stays unused: indices only ever increase.
+        """
+        return self.catalog.reserve_report_index(run_id)
 
     @retry_on_disconnect
     def register_checkpoint(
@@ -148,7 +162,11 @@ class Registry:
     ) -> Registration:
         """Registers a checkpoint and enqueues its validation in one transaction.
 
-        Idempotent: the same run + report index returns the rows made the first time.
+        Idempotent: the same report (run, report index and URI) registered again returns
+        the rows made the first time. Another checkpoint at an index already taken
+        raises ReportIndexTaken, registering nothing. ``report_index`` comes from
+        reserve_report_index(); an index chosen by the caller moves the run's counter
+        past it.
         """
         metrics = normalize_metrics(reported_metrics, what="reported metrics")
         validation.check_step(step)
@@ -177,10 +195,13 @@ class Registry:
         except IntegrityError as exc:
             # The same run + report index was registered before (or concurrently).
             with self.db.read() as session:
-                checkpoint_id = self.catalog.find_checkpoint_id(session, run_id, report_index)
-                if checkpoint_id is None:
+                existing = self.catalog.find_checkpoint(session, run_id, report_index)
+                if existing is None:
                     # Some other constraint (a run that is gone, say): not a repeat.
                     raise RegistryRejected(self.display_url, exc) from exc
+                checkpoint_id, existing_uri, run_name = existing
+                if existing_uri != uri:
+                    raise ReportIndexTaken(run_name, report_index, uri, existing_uri) from None
                 job_id = self.queue.find_job_id(session, run_id, report_index)
             return Registration(run_id, checkpoint_id, job_id, created=False)
 
