@@ -9,7 +9,6 @@ import os
 import shutil
 import uuid
 
-import pydantic
 import pytest
 
 from tests.test_s3 import BUCKET, options_for, s3_endpoint  # noqa: F401 - moto's S3 fixture
@@ -21,6 +20,7 @@ from validation_service.errors import (
     CheckpointExists,
     CheckpointNotFound,
     InvalidInput,
+    InvalidSettings,
 )
 from validation_service.names import check_name
 from validation_service.registry.registry import Registry
@@ -67,7 +67,7 @@ def test_check_name_accepts_rays_default_run_names():
 @pytest.mark.parametrize("bad", ["../../../x", "/abs/x", "a/b"])
 def test_ckval_namespace_that_leaves_the_root_fails_at_settings_load(monkeypatch, bad):
     monkeypatch.setenv("CKVAL_NAMESPACE", bad)
-    with pytest.raises(pydantic.ValidationError, match=r"CKVAL_NAMESPACE.*is not allowed"):
+    with pytest.raises(InvalidSettings, match=r"CKVAL_NAMESPACE .* is not allowed"):
         Settings()
 
 

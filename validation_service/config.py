@@ -14,7 +14,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
 from validation_service.errors import InvalidSettings
-from validation_service.names import check_name
+from validation_service.names import RULE as NAME_RULE
+from validation_service.names import is_safe_name, suggested_name
 
 ENV_PREFIX = "CKVAL_"
 # Settings given as JSON objects, with an example for the error that says how.
@@ -50,7 +51,12 @@ class Settings(BaseSettings):
     @field_validator("namespace")
     @classmethod
     def _namespace_is_a_safe_name(cls, value: str) -> str:
-        return check_name("namespace", value, where=f"{ENV_PREFIX}NAMESPACE")
+        if not is_safe_name(value):
+            raise ValueError(
+                f"{value!r} is not allowed: use {NAME_RULE}; rename it, for example to "
+                f"{suggested_name(value)!r}"
+            )
+        return value
 
     service_name: str = "ckval-service"
     ray_namespace: str = "ckval"
