@@ -57,19 +57,39 @@ class ReportNotDelivered(CkvalError):
 
 @dataclasses.dataclass(frozen=True)
 class StoredReport:
-    """A report whose checkpoint is being copied and registered in the background."""
+    """A report whose checkpoint is being copied and registered in the background.
 
-    index: int
-    uri: str
+    Its report index is reserved in the registry on the storing thread, just before the
+    copy: ``index`` and ``uri`` wait for that reservation, not for the copy.
+    """
+
+    reserved: Future  # of (report index, the URI the checkpoint is stored at)
     stored: Future  # of the PersistedCheckpoint; done once training may drop its folder
     registered: Future  # done once the checkpoint is in the registry (validation enqueued)
+
+    @property
+    def index(self) -> int:
+        return self.reserved.result()[0]
+
+    @property
+    def uri(self) -> str:
+        return self.reserved.result()[1]
 
     @classmethod
     def finished(cls, index: int, uri: str) -> StoredReport:
         """A report that was stored and registered before it was returned."""
         done: Future = Future()
         done.set_result(None)
-        return cls(index, uri, done, done)
+        reserved: Future = Future()
+        reserved.set_result((index, uri))
+        return cls(reserved, done, done)
+
+
+def _reserved_index(index: int | Future) -> int | None:
+    """A report index, or None for a report whose index could not be reserved."""
+    if not isinstance(index, Future):
+        return index
+    return None if index.exception() is not None else index.result()[0]
 
 
 class CheckpointUploadMode(enum.Enum):
@@ -210,6 +230,7 @@ class RunReporter:
         self._nudger: _Nudger | None = None
         self._background: ThreadPoolExecutor | None = None
         self._storing: ThreadPoolExecutor | None = None
+        self._reserving: ThreadPoolExecutor | None = None
         self._pending: list[tuple[int, Future]] = []
         self._pending_lock = threading.Lock()
 
@@ -234,6 +255,7 @@ class RunReporter:
         (the embedded default), so that its cold start overlaps training instead of
         following the first report.
         """
+        self._reserving_thread().submit(lambda: None).result()
         self._storing_thread().submit(lambda: None).result()
         self._background_threads().submit(lambda: None).result()
         if self._start_service and self._service is None:
@@ -356,14 +378,40 @@ class RunReporter:
         if info.type != pyarrow.fs.FileType.Directory:
             raise CheckpointNotFound(checkpoint.path, "the reported checkpoint is not a folder")
         source = self.scan(checkpoint)
-        index = self.reserve_index()
-        stored = self._storing_thread().submit(self._store, checkpoint, index, delete_local, source)
+
+        def reserve() -> tuple[int, str]:
+            index = self._reserve_index_patiently()
+            return index, self._upload_uri(index)
+
+        def store() -> PersistedCheckpoint:
+            return self._store(checkpoint, reserved.result()[0], delete_local, source)
+
+        # The reservation is a write to the registry: off the training thread, on a
+        # thread of its own so that it never waits behind an earlier copy. Both threads
+        # take reports in order, so one process's indices follow its reports.
+        reserved = self._reserving_thread().submit(reserve)
+        stored = self._storing_thread().submit(store)
 
         def register() -> None:
-            self._deliver(index, stored.result(), metrics, job)
+            persisted = stored.result()
+            self._deliver(reserved.result()[0], persisted, metrics, job)
 
-        registered = self._in_background(index, register)
-        return StoredReport(index, self._upload_uri(index), stored, registered)
+        registered = self._in_background(reserved, register)
+        return StoredReport(reserved, stored, registered)
+
+    def _reserve_index_patiently(self) -> int:
+        """reserve_index(), retried with backoff while the registry is unreachable, for
+        up to delivery_timeout_s (as a background registration is)."""
+        deadline = time.monotonic() + self.settings.delivery_timeout_s
+        delay = 0.5
+        while True:
+            try:
+                return self.reserve_index()
+            except RegistryUnavailable:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
 
     def _store(
         self, checkpoint, index: int, delete_local: bool, source: CheckpointFolder | None
@@ -394,11 +442,19 @@ class RunReporter:
             )
             self._in_background(index, self._deliver, index, persisted, metrics, job)
 
-    def _in_background(self, index: int, fn, *args) -> Future:
+    def _in_background(self, index: int | Future, fn, *args) -> Future:
+        """Runs ``fn`` on a background thread, remembered for flush() under ``index``
+        (the report index, or the future of its reservation)."""
         future = self._background_threads().submit(fn, *args)
         with self._pending_lock:
             self._pending.append((index, future))
         return future
+
+    def _reserving_thread(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._reserving is None:
+                self._reserving = ThreadPoolExecutor(1, thread_name_prefix="ckval-reserve")
+            return self._reserving
 
     def _storing_thread(self) -> ThreadPoolExecutor:
         # Its own thread: deliveries retrying in the background never queue a copy.
@@ -445,7 +501,7 @@ class RunReporter:
                 if not future.done():
                     still_pending.append((index, future))
                 elif future.exception() is not None:
-                    failed.append((index, future.exception()))
+                    failed.append((_reserved_index(index), future.exception()))
             self._pending = still_pending
         if failed:
             raise ReportNotDelivered(self.run, failed)
