@@ -1,82 +1,119 @@
-"""`ckval` command line: the registry, the service and the demo from a shell."""
+"""`ckval` command line: the registry, the service and the demo from a shell.
+
+Importing this module loads click and nothing heavy, so that `ckval --help` and the
+registry listings start fast: every command imports what it uses (SQLAlchemy for the
+registry, Ray only to reach the service). Commands defined in another module join with
+one line, ``main.add_command(command)``, and follow the same rule.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from validation_service._table import render
-from validation_service.config import get_settings
-from validation_service.errors import CkvalError
-from validation_service.jobs import JobStatus
-from validation_service.views import checkpoint_json, tell_service
+from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus
+
+if TYPE_CHECKING:
+    from validation_service.config import Settings
+    from validation_service.registry.records import CheckpointRecord, JobRecord
+    from validation_service.registry.registry import Registry
+    from validation_service.service import ServiceHandle
+
+# Exit statuses: the same situation ends with the same one in every command.
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_NOT_RUNNING = 3
+
+EPILOG = """\b
+Exit status:
+  0  done; `status`: the service is running; `stop`: it was stopped
+  1  another failure (the registry database is unreachable, ...)
+  2  bad usage or input (an unknown run, metric, job or option)
+  3  `status`, `stop`: no ckval service is running (nothing is started)
+"""
+
+# A listing of the whole queue shows this many jobs unless --limit says otherwise.
+DEFAULT_QUEUE_LIMIT = 100
+_ACTIVE = frozenset(s.value for s in ACTIVE_JOB_STATUSES)
 
 
-def _registry(ctx: click.Context):
+def get_settings(**overrides: Any) -> Settings:
+    """The configured Settings with the given overrides (loads pydantic on first use)."""
+    from validation_service.config import get_settings as configured
+
+    return configured(**overrides)
+
+
+def _settings(ctx: click.Context) -> Settings:
+    obj = ctx.find_root().obj or {}
+    return get_settings(database_url=obj.get("database_url"), namespace=obj.get("namespace"))
+
+
+def _registry(ctx: click.Context) -> Registry:
+    """The registry of this invocation (--database-url, --namespace), opened once."""
     from validation_service.registry.registry import Registry
 
-    obj = ctx.ensure_object(dict)
+    obj = ctx.find_root().ensure_object(dict)
     if "registry" not in obj:
-        settings = get_settings(
-            database_url=obj.get("database_url"), namespace=obj.get("namespace")
-        )
-        obj["registry"] = Registry(settings=settings)
+        obj["registry"] = Registry(settings=_settings(ctx))
     return obj["registry"]
 
 
-def _metric_columns(records, limit: int = 6) -> list[str]:
-    names: list[str] = []
-    for record in records:
-        for name in record.metrics:
-            if name not in names:
-                names.append(name)
-    return names[:limit]
+def _echo_json(value: Any) -> None:
+    """Full precision, ISO 8601 UTC times: the HTTP API's JSON (views.py)."""
+    click.echo(json.dumps(value, indent=1, default=str))
 
 
-def _checkpoint_table(records, extra: list[str] | None = None) -> str:
-    metrics = extra or _metric_columns(records)
-    headers = ["#", "report", "validation", *metrics, "size", "uri"]
-    rows = [
-        [
-            i + 1,
-            r.report_index,
-            r.validation_status,
-            *[r.metrics.get(m) for m in metrics],
-            _size(r.size_bytes),
-            r.uri,
-        ]
-        for i, r in enumerate(records)
-    ]
+def _render(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    from validation_service._table import render
+
     return render(headers, rows)
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return str(n)
+def _exit_code(exc: BaseException) -> int | None:
+    """The exit status for an error ckval raised on purpose; None for anything else."""
+    errors = sys.modules.get("validation_service.errors")
+    if errors is None or not isinstance(exc, errors.CkvalError):
+        return None  # not loaded: nothing could have raised one of its errors
+    if isinstance(exc, errors.RayClusterNotFound):
+        return EXIT_NOT_RUNNING
+    if isinstance(exc, errors.RegistryUnavailable):
+        return EXIT_FAILURE
+    return EXIT_USAGE
 
 
 class _Group(click.Group):
-    def invoke(self, ctx):
+    def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except CkvalError as exc:
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as exc:
+            code = _exit_code(exc)
+            if code is None:
+                raise
             click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
+            sys.exit(code)
 
 
-@click.group(cls=_Group)
+@click.group(cls=_Group, epilog=EPILOG)
 @click.option("--database-url", envvar="CKVAL_DATABASE_URL", help="Registry database URL.")
 @click.option("--namespace", envvar="CKVAL_NAMESPACE", help="Run namespace.")
 @click.pass_context
 def main(ctx: click.Context, database_url: str | None, namespace: str | None) -> None:
     """ckval: asynchronous checkpoint validation for Ray Train."""
     ctx.ensure_object(dict).update(database_url=database_url, namespace=namespace)
+
+
+_json_option = click.option(
+    "--json", "as_json", is_flag=True, help="Print JSON (full precision, UTC times)."
+)
 
 
 @main.command()
@@ -90,32 +127,40 @@ def demo(epochs: int, workers: int, run_name: str | None) -> None:
     run_demo(epochs=epochs, num_workers=workers, run_name=run_name)
 
 
+# ------------------------------------------------------------------ registry listings
 @main.command()
+@_json_option
 @click.pass_context
-def runs(ctx: click.Context) -> None:
-    """List runs."""
+def runs(ctx: click.Context, as_json: bool) -> None:
+    """List runs with their checkpoint and validation counts."""
+    summaries = _registry(ctx).run_summaries()
+    if as_json:
+        from validation_service.views import run_json
+
+        _echo_json([run_json(summary) for summary in summaries])
+        return
     rows = [
         [
             summary.run.name,
             summary.run.status,
             summary.run.created_at,
             summary.checkpoints,
-            " ".join(f"{k}={v}" for k, v in sorted(summary.job_counts.items())),
+            dict(sorted(summary.job_counts.items())),
         ]
-        for summary in _registry(ctx).run_summaries()
+        for summary in summaries
     ]
-    click.echo(render(["run", "status", "created", "checkpoints", "validations"], rows))
+    click.echo(_render(["run", "status", "created", "checkpoints", "validations"], rows))
 
 
 @main.command()
 @click.argument("run")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@_json_option
 @click.pass_context
 def checkpoints(ctx: click.Context, run: str, as_json: bool) -> None:
     """List the checkpoints of RUN with their merged metrics."""
     records = _registry(ctx).checkpoints(run)
     if as_json:
-        click.echo(json.dumps([checkpoint_json(r) for r in records], indent=1, default=str))
+        _echo_checkpoints_json(records)
         return
     click.echo(_checkpoint_table(records))
 
@@ -123,76 +168,292 @@ def checkpoints(ctx: click.Context, run: str, as_json: bool) -> None:
 @main.command()
 @click.argument("run", required=False)
 @click.option("--metric", required=True, help="Metric to rank by.")
-@click.option("--mode", type=click.Choice(["max", "min"]), default="max", show_default=True)
-@click.option("-k", "k", default=1, show_default=True, help="How many checkpoints.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option(
+    "--mode",
+    type=click.Choice(["max", "min"]),
+    default=None,
+    help="max: highest first; min: lowest first (a loss or an error).  [default: max]",
+)
+@click.option("-k", "k", default=1, show_default=True, type=click.IntRange(min=1))
+@_json_option
 @click.pass_context
-def best(ctx: click.Context, run: str | None, metric: str, mode: str, k: int, as_json: bool):
+def best(
+    ctx: click.Context, run: str | None, metric: str, mode: str | None, k: int, as_json: bool
+) -> None:
     """The best K checkpoints of RUN (of all runs when RUN is left out) by a metric."""
-    records = _registry(ctx).best_checkpoint_records(run, metric, mode, k)
+    from validation_service.metrics import lower_is_better
+
+    records = _registry(ctx).best_checkpoint_records(run, metric, mode or "max", k)
+    if mode is None and lower_is_better(metric):
+        click.echo(
+            f"warning: --mode defaulted to max, so the highest {metric!r} comes first, but "
+            f"{metric!r} reads like a metric where lower is better: pass --mode min for the "
+            "lowest (--mode max silences this warning).",
+            err=True,
+        )
     if as_json:
-        click.echo(json.dumps([checkpoint_json(r) for r in records], indent=1, default=str))
+        _echo_checkpoints_json(records)
         return
     others = [m for m in _metric_columns(records) if m != metric]
-    click.echo(_checkpoint_table(records, [metric, *others][:6]))
+    click.echo(_checkpoint_table(records, [metric, *others][:6], with_run=run is None))
 
 
+def _echo_checkpoints_json(records: Sequence[CheckpointRecord]) -> None:
+    from validation_service.views import checkpoint_json
+
+    _echo_json([checkpoint_json(record) for record in records])
+
+
+def _metric_columns(records: Sequence[CheckpointRecord], limit: int = 6) -> list[str]:
+    names: list[str] = []
+    for record in records:
+        for name in record.metrics:
+            if name not in names:
+                names.append(name)
+    return names[:limit]
+
+
+def _checkpoint_table(
+    records: Sequence[CheckpointRecord], metrics: list[str] | None = None, with_run: bool = False
+) -> str:
+    from validation_service._format import format_size
+
+    metrics = metrics or _metric_columns(records)
+    headers = ["#", *(["run"] if with_run else []), "report", "validation", *metrics, "size", "uri"]
+    rows = [
+        [
+            i + 1,
+            *([r.run] if with_run else []),
+            r.report_index,
+            r.validation_status,
+            *[r.metrics.get(m) for m in metrics],
+            format_size(r.size_bytes),
+            r.uri,
+        ]
+        for i, r in enumerate(records)
+    ]
+    return _render(headers, rows)
+
+
+# ----------------------------------------------------------------------------- jobs
 @main.command()
-@click.argument("run")
+@click.argument("run", required=False)
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    callback=lambda ctx, param, values: _job_statuses(values),
+    metavar="STATUS",
+    help="Only jobs in this status: QUEUED, RUNNING, SUCCEEDED, FAILED, TIMED_OUT or "
+    "CANCELLED (repeatable).",
+)
+@click.option("--pool", default=None, help="Only jobs of this resource pool, e.g. A10G.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=None,
+    help=f"Show the newest N jobs  [default: all of RUN; {DEFAULT_QUEUE_LIMIT} of the queue]",
+)
+@_json_option
+@click.option(
+    "--watch", is_flag=True, help="Refresh until no job is QUEUED or RUNNING (Ctrl-C stops)."
+)
+@click.option(
+    "--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1), hidden=True
+)
 @click.pass_context
-def jobs(ctx: click.Context, run: str) -> None:
-    """List the validation jobs of RUN, with the error of each failed one."""
+def jobs(
+    ctx: click.Context,
+    run: str | None,
+    statuses: tuple[str, ...],
+    pool: str | None,
+    limit: int | None,
+    as_json: bool,
+    watch: bool,
+    interval: float,
+) -> None:
+    """List validation jobs: of RUN, or of the whole queue when RUN is left out.
+
+    Each row shows the job's status, attempts, pool, node and the error of a failed one.
+    """
+    if watch and as_json:
+        raise click.UsageError("--watch redraws a table; leave out --json")
+    if limit is None and run is None:
+        limit = DEFAULT_QUEUE_LIMIT
+    registry = _registry(ctx)
+    wanted = list(statuses) or None
+
+    def query() -> tuple[list[JobRecord], bool]:
+        found = registry.list_jobs(
+            run, statuses=wanted, pool=pool, limit=None if limit is None else limit + 1
+        )
+        more = limit is not None and len(found) > limit
+        return (found[1:] if more else found), more
+
+    if watch:
+        _watch_jobs(ctx, query, with_run=run is None, interval=interval)
+        return
+    found, more = query()
+    if as_json:
+        from validation_service.views import job_json
+
+        _echo_json([job_json(job) for job in found])
+    else:
+        click.echo(_jobs_table(found, with_run=run is None))
+    if more:
+        click.echo(f"(the newest {limit} jobs; --limit N shows more)", err=True)
+
+
+def _job_statuses(values: tuple[str, ...]) -> tuple[str, ...]:
+    names = [status.value for status in JobStatus]
+    for value in values:
+        if value.upper() not in names:
+            raise click.BadParameter(f"{value!r} is not a job status: use {', '.join(names)}")
+    return tuple(value.upper() for value in values)
+
+
+def _jobs_table(found: Sequence[JobRecord], *, with_run: bool) -> str:
+    from validation_service._format import short_node_id
+
     rows = []
-    for job in _registry(ctx).validations(run):
+    for job in found:
         node = next((a.node_id for a in reversed(job.attempt_history) if a.node_id), None)
         error = f"{job.error_type}: {job.error_message}" if job.error_type else ""
         rows.append(
             [
                 job.id,
+                *([job.run] if with_run else []),
                 job.report_index,
                 job.status,
                 f"{job.attempts}/{job.max_attempts}",
                 job.pool,
-                (node or "")[:12],
+                short_node_id(node),
                 job.validate_fn_name,
                 error[:100],
             ]
         )
-    headers = ["job", "report", "status", "attempts", "pool", "node", "validate_fn", "error"]
-    click.echo(render(headers, rows))
+    headers = ["job", *(["run"] if with_run else []), "report", "status", "attempts", "pool"]
+    return _render([*headers, "node", "validate_fn", "error"], rows)
+
+
+def _watch_jobs(
+    ctx: click.Context,
+    query: Callable[[], tuple[list[JobRecord], bool]],
+    *,
+    with_run: bool,
+    interval: float,
+) -> None:
+    """Redraws the table every ``interval`` seconds on a terminal; elsewhere prints the
+    table once, then one line per status change. Ends when no listed job is QUEUED or
+    RUNNING, or at Ctrl-C (exit status 0 either way)."""
+    import datetime as dt
+
+    from validation_service._format import format_mapping, format_time
+
+    tty = sys.stdout.isatty()
+    seen: dict[int, str] | None = None  # job id -> status at the last look
+    note: str | None = None
+    try:
+        while True:
+            found, _ = query()
+            active = [job for job in found if job.status in _ACTIVE]
+            now = format_time(dt.datetime.now(dt.timezone.utc))
+            if tty:
+                click.clear()
+                click.echo(_jobs_table(found, with_run=with_run))
+                click.echo(f"\n{now}  {len(active)} QUEUED or RUNNING; Ctrl-C stops watching")
+                if note:
+                    click.echo(note, err=True)
+            elif seen is None:
+                click.echo(_jobs_table(found, with_run=with_run))
+            else:
+                for job in found:
+                    if seen.get(job.id) != job.status:
+                        click.echo(f"{now}  {_status_change(job, seen.get(job.id, 'new'))}")
+            first_look = seen is None
+            seen = {job.id: job.status for job in found}
+            if not active:
+                counts: dict[str, int] = {}
+                for job in found:
+                    counts[job.status] = counts.get(job.status, 0) + 1
+                click.echo(f"no job is QUEUED or RUNNING: {format_mapping(counts)}")
+                return
+            if first_look:
+                # Only now, with jobs waiting: connecting to Ray takes a second or two.
+                note = _missing_service_note(_settings(ctx))
+                if note:
+                    click.echo(note, err=True)
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        click.echo("")
+
+
+def _status_change(job: JobRecord, was: str) -> str:
+    error = f" ({job.error_type}: {job.error_message})" if job.error_type else ""
+    where = f"{job.run} report {job.report_index}"
+    return f"job {job.id} ({where}): {was} -> {job.status}{error}"
+
+
+def _missing_service_note(settings: Settings) -> str | None:
+    """Why QUEUED jobs may not move: no service runs (None when one does)."""
+    from validation_service.errors import RayClusterNotFound
+
+    try:
+        handle, address = _find_service(settings)
+    except RayClusterNotFound as exc:
+        return (
+            f"warning: no ckval service is running ({exc.reason}): QUEUED jobs wait for "
+            "one (`ckval serve`)"
+        )
+    except Exception as exc:  # noqa: BLE001 - the listing goes on without the note
+        return f"warning: could not look for the ckval service: {exc}"
+    if handle is None:
+        return (
+            f"warning: no ckval service is running on the Ray cluster at {address}: "
+            "QUEUED jobs wait for one (`ckval serve`)"
+        )
+    return None
 
 
 @main.command()
 @click.argument("job_id", type=int)
+@_json_option
 @click.pass_context
-def job(ctx: click.Context, job_id: int) -> None:
+def job(ctx: click.Context, job_id: int, as_json: bool) -> None:
     """Show one validation job, its attempts and its stored traceback."""
+    from validation_service._format import format_value, short_node_id
+
     record = _registry(ctx).get_job(job_id)
-    for field in (
-        "id",
-        "run",
-        "report_index",
-        "status",
-        "attempts",
-        "max_attempts",
-        "pool",
-        "resources",
-        "validate_fn_name",
-        "priority",
-        "timeout_s",
-        "created_at",
-        "started_at",
-        "finished_at",
-        "result_metrics",
-        "error_type",
-        "error_message",
-    ):
-        click.echo(f"{field:17} {getattr(record, field)}")
+    if as_json:
+        from validation_service.views import job_json
+
+        _echo_json(job_json(record))
+        return
+    fields = {
+        "id": record.id,
+        "run": record.run,
+        "report_index": record.report_index,
+        "status": record.status,
+        "attempts": f"{record.attempts}/{record.max_attempts}",
+        "pool": record.pool,
+        "resources": record.resources,
+        "validate_fn": record.validate_fn_name,
+        "priority": record.priority,
+        "timeout_s": record.timeout_s,
+        "created_at": record.created_at,
+        "started_at": record.started_at,
+        "finished_at": record.finished_at,
+        "result_metrics": record.result_metrics,
+        "error_type": record.error_type,
+        "error_message": record.error_message,
+    }
+    for name, value in fields.items():
+        click.echo(f"{name:15} {format_value(value)}")
     rows = [
         [
             a.attempt,
             a.status,
-            a.node_id,
+            short_node_id(a.node_id),
             a.worker_pid,
             a.started_at,
             a.finished_at,
@@ -200,7 +461,8 @@ def job(ctx: click.Context, job_id: int) -> None:
         ]
         for a in record.attempt_history
     ]
-    click.echo(render(["attempt", "status", "node", "pid", "started", "finished", "error"], rows))
+    click.echo("")
+    click.echo(_render(["attempt", "status", "node", "pid", "started", "finished", "error"], rows))
     if record.error_traceback:
         click.echo("\ntraceback:\n" + record.error_traceback)
 
@@ -213,6 +475,8 @@ def cancel(ctx: click.Context, job_ids: tuple[int, ...], run: str | None) -> Non
     """Cancel validation jobs (queued ones never start)."""
     if not job_ids and not run:
         raise click.UsageError("give JOB ids or --run RUN")
+    from validation_service.views import tell_service
+
     done = _registry(ctx).cancel_jobs(list(job_ids) or None, run=run)
     if done:
         tell_service(_registry(ctx).settings, "check_leases", connect=True)
@@ -231,6 +495,8 @@ def retry(ctx: click.Context, job_ids: tuple[int, ...], run: str | None, failed:
     statuses = [JobStatus.FAILED, JobStatus.TIMED_OUT]
     if not failed:
         statuses.append(JobStatus.CANCELLED)
+    from validation_service.views import tell_service
+
     done = _registry(ctx).retry_jobs(list(job_ids) or None, run=run, statuses=statuses)
     if done:
         tell_service(_registry(ctx).settings, "nudge", connect=True)
@@ -371,29 +637,55 @@ def _parse_pools(pools: tuple[str, ...]) -> dict[str, int]:
     return parsed
 
 
-@main.command()
-def status() -> None:
-    """Show the running service's status."""
+# --------------------------------------------------------------------- the service
+def _find_service(settings: Settings) -> tuple[ServiceHandle | None, str]:
+    """The running service and the address of its Ray cluster; never starts Ray."""
+    from validation_service._ray_cluster import connect_existing_ray
     from validation_service.service import ValidationService
 
-    handle = ValidationService.get()
+    address = connect_existing_ray(settings)
+    return ValidationService.get(settings), address
+
+
+def _service_or_exit(ctx: click.Context) -> ServiceHandle:
+    from validation_service.errors import RayClusterNotFound
+
+    try:
+        handle, address = _find_service(_settings(ctx))
+    except RayClusterNotFound as exc:
+        click.echo(f"no ckval service is running ({exc.reason}; start one with `ckval serve`)")
+        sys.exit(EXIT_NOT_RUNNING)
     if handle is None:
-        click.echo("no ckval service is running on this Ray cluster")
-        sys.exit(1)
-    click.echo(json.dumps(handle.status(), indent=1, default=str))
+        click.echo(
+            f"no ckval service is running on the Ray cluster at {address} "
+            "(start one with `ckval serve`)"
+        )
+        sys.exit(EXIT_NOT_RUNNING)
+    return handle
 
 
 @main.command()
-def stop() -> None:
-    """Stop the running service (queued jobs stay queued in the registry)."""
-    from validation_service.service import ValidationService
+@click.pass_context
+def status(ctx: click.Context) -> None:
+    """Show the running service's status as JSON (exit status 3: none is running).
 
-    handle = ValidationService.get()
-    if handle is None:
-        click.echo("no ckval service is running on this Ray cluster")
-        return
+    Looks on CKVAL_RAY_ADDRESS, else RAY_ADDRESS, else a Ray running on this machine;
+    never starts Ray.
+    """
+    handle = _service_or_exit(ctx)
+    _echo_json(handle.status())
+
+
+@main.command()
+@click.pass_context
+def stop(ctx: click.Context) -> None:
+    """Stop the running service (queued jobs stay queued in the registry).
+
+    Exit status 3 when none is running; never starts Ray.
+    """
+    handle = _service_or_exit(ctx)
     handle.stop()
-    click.echo("stopped")
+    click.echo(f"stopped the ckval service {handle.settings.service_name!r}")
 
 
 if __name__ == "__main__":

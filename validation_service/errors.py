@@ -112,6 +112,24 @@ class RetryLimitReached(CkvalError):
         )
 
 
+class RayClusterNotFound(CkvalError, ConnectionError):
+    """No Ray cluster runs where ckval looked for one; nothing was started."""
+
+    def __init__(self, address: str | None = None, source: str | None = None):
+        self.address = address
+        self.source = source
+        if address is None:
+            self.reason = "no Ray cluster found"
+        else:
+            self.reason = f"no Ray cluster answers at {address}" + (
+                f", from {source}" if source else ""
+            )
+        super().__init__(
+            f"{self.reason}. Start the service with `ckval serve`, or point CKVAL_RAY_ADDRESS "
+            "(or RAY_ADDRESS) at the cluster that runs it."
+        )
+
+
 class CheckpointNotFound(CkvalError, FileNotFoundError):
     """The checkpoint (or its manifest) is not where the registry says it is."""
 

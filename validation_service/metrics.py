@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from typing import Any
 
 from validation_service.errors import InvalidInput
@@ -131,3 +132,22 @@ def _reject(value: Any) -> Any:
 def _preview(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+# Names of metrics where lower is better: ranking one with mode="max" returns the worst.
+LOWER_IS_BETTER_WORDS = frozenset(
+    {"loss", "error", "err", "mse", "mae", "rmse", "perplexity", "wer", "cer"}
+)
+# Long enough to mean the same at the end of a longer word ("valloss"); the short ones
+# count only as a word of their own ("val_wer", not "power").
+_LOWER_IS_BETTER_SUFFIXES = tuple(w for w in LOWER_IS_BETTER_WORDS if len(w) >= 4)
+
+
+def lower_is_better(metric: str) -> bool:
+    """Whether a metric's name says lower is better: a word of LOWER_IS_BETTER_WORDS in
+    it (``val_loss``, ``test/error``, ``valLoss``, ``top1-err``), or a long one ending it
+    (``valloss``, ``evalperplexity``)."""
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", metric).lower()
+    if any(word in LOWER_IS_BETTER_WORDS for word in re.findall(r"[a-z0-9]+", spaced)):
+        return True
+    return metric.lower().endswith(_LOWER_IS_BETTER_SUFFIXES)

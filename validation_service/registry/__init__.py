@@ -1,6 +1,24 @@
 """The checkpoint registry: the Registry facade over the catalog, the queue and their
-transitions, on one database layer (the only code that touches the database)."""
+transitions, on one database layer (the only code that touches the database).
 
-from validation_service.registry.registry import Registry
+``Registry`` loads on first use (PEP 562): importing the plain records of
+``validation_service.registry.records`` does not import SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["Registry"]
+
+if TYPE_CHECKING:
+    from validation_service.registry.registry import Registry
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Registry":
+        from validation_service.registry.registry import Registry
+
+        globals()["Registry"] = Registry
+        return Registry
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,18 +1,26 @@
-"""Runs the Alembic migrations in migrations/ against a registry database."""
+"""Runs the Alembic migrations in migrations/ against a registry database.
+
+Checking a schema (every Registry() does) needs no Alembic: the head revision is read
+from the scripts' ``revision``/``down_revision`` lines and the current one from the
+``alembic_version`` table. Alembic loads only to migrate, or when the scripts are not
+plain enough to read that way.
+"""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import Engine
+from sqlalchemy import Engine, column, inspect, select, table
 
 from validation_service.registry._engine import WRITE_OPTION, schema_lock
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
 _PACKAGE = Path(__file__).resolve().parents[1]
+_VERSION_TABLE = table("alembic_version", column("version_num"))
 
 
 def migrations_dir() -> Path:
@@ -26,6 +34,8 @@ def migrations_dir() -> Path:
 
 
 def alembic_config(url: str) -> Config:
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(migrations_dir()))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
@@ -33,15 +43,77 @@ def alembic_config(url: str) -> Config:
 
 
 def head_revision(url: str) -> str | None:
+    heads = declared_heads(migrations_dir() / "versions")
+    if heads is not None and len(heads) == 1:
+        return heads[0]
+    # Several heads, or a script this reader cannot follow: Alembic decides (and says
+    # what is wrong with several heads).
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+
+
+def declared_heads(versions: Path) -> list[str] | None:
+    """The revisions no script revises, read from the scripts' literal assignments.
+
+    None when a script does not assign ``revision`` and ``down_revision`` literals.
+    """
+    revisions: set[str] = set()
+    revised: set[str] = set()
+    for script in sorted(versions.glob("*.py")):
+        if script.name == "__init__.py":
+            continue
+        assigned = _literal_assignments(script, {"revision", "down_revision"})
+        if assigned is None or not isinstance(assigned.get("revision"), str):
+            return None
+        revisions.add(assigned["revision"])
+        down = assigned.get("down_revision", ())
+        if isinstance(down, str):
+            revised.add(down)
+        elif isinstance(down, (tuple, list)):
+            revised.update(down)
+        elif down is not None:
+            return None
+    return sorted(revisions - revised)
+
+
+def _literal_assignments(script: Path, names: set[str]) -> dict[str, object] | None:
+    try:
+        tree = ast.parse(script.read_text(encoding="utf-8"), filename=str(script))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    found: dict[str, object] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id in names:
+            try:
+                found[target.id] = ast.literal_eval(value)
+            except ValueError:
+                return None
+    return found
 
 
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as connection:
+        if not inspect(connection).has_table(_VERSION_TABLE.name):
+            return None
+        versions = connection.execute(select(_VERSION_TABLE.c.version_num)).scalars().all()
+        if len(versions) <= 1:
+            return versions[0] if versions else None
+        # Several heads stamped: Alembic's own error says what to do.
+        from alembic.runtime.migration import MigrationContext
+
         return MigrationContext.configure(connection).get_current_revision()
 
 
 def upgrade(engine: Engine, url: str, revision: str = "head") -> None:
+    from alembic import command
+
     with schema_lock(url):
         config = alembic_config(url)
         with engine.execution_options(**{WRITE_OPTION: True}).begin() as connection:
@@ -50,6 +122,8 @@ def upgrade(engine: Engine, url: str, revision: str = "head") -> None:
 
 
 def downgrade(engine: Engine, url: str, revision: str) -> None:
+    from alembic import command
+
     with schema_lock(url):
         config = alembic_config(url)
         with engine.execution_options(**{WRITE_OPTION: True}).begin() as connection:

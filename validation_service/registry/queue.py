@@ -58,15 +58,35 @@ class Queue:
         ).all()
         return [job_record(job, run, index) for job, index in rows]
 
+    def list_jobs(
+        self,
+        session: Session,
+        namespace: str,
+        *,
+        run_id: int | None = None,
+        statuses: Sequence[str] | None = None,
+        pool: str | None = None,
+        limit: int | None = None,
+    ) -> list[JobRecord]:
+        """Jobs of the namespace (or of one run), filtered; the newest ``limit``, oldest first."""
+        query = (
+            _job_query()
+            .where(Run.namespace == namespace)
+            .order_by(ValidationJob.id.desc())
+            .limit(limit)
+        )
+        if run_id is not None:
+            query = query.where(ValidationJob.run_id == run_id)
+        if statuses:
+            query = query.where(ValidationJob.status.in_(list(statuses)))
+        if pool is not None:
+            query = query.where(ValidationJob.pool == pool)
+        rows = session.execute(query).all()
+        return [job_record(job, run, index) for job, index, run in reversed(rows)]
+
     def get_job(self, job_id: int, namespace: str | None = None) -> JobRecord:
         """The job with this id (only if its run is in ``namespace``, when given)."""
-        query = (
-            select(ValidationJob, Checkpoint.report_index, Run.name)
-            .join(Checkpoint, Checkpoint.id == ValidationJob.checkpoint_id)
-            .join(Run, Run.id == ValidationJob.run_id)
-            .options(selectinload(ValidationJob.attempt_rows))
-            .where(ValidationJob.id == job_id)
-        )
+        query = _job_query().where(ValidationJob.id == job_id)
         if namespace is not None:
             query = query.where(Run.namespace == namespace)
         with self.db.read() as session:
@@ -256,6 +276,16 @@ def claimed_job(row, expires: dt.datetime) -> ClaimedJob:
     """A claimed job (a transitions.claim row), as the executor gets it."""
     return record_from(
         ClaimedJob, row, job_id=row.job_id, attempt=row.attempts, lease_expires_at=expires
+    )
+
+
+def _job_query():
+    """Jobs with their report index and run name, attempts loaded."""
+    return (
+        select(ValidationJob, Checkpoint.report_index, Run.name)
+        .join(Checkpoint, Checkpoint.id == ValidationJob.checkpoint_id)
+        .join(Run, Run.id == ValidationJob.run_id)
+        .options(selectinload(ValidationJob.attempt_rows))
     )
 
 

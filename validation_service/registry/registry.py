@@ -11,6 +11,7 @@ import dataclasses
 import datetime as dt
 import logging
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from validation_service.errors import (
     UnknownMetric,
 )
 from validation_service.jobs import JobStatus, ValidationStatus
-from validation_service.metrics import normalize_metrics
+from validation_service.metrics import lower_is_better, normalize_metrics
 from validation_service.names import check_name
 from validation_service.registry import transitions
 from validation_service.registry.catalog import Catalog, Mode, checkpoint_row
@@ -230,17 +231,25 @@ class Registry:
         return None if record is None else self._ray_checkpoint(record)
 
     def best_checkpoints(
-        self, run: str | None, metric: str, mode: Mode = "max", k: int = 1
+        self, run: str | None, metric: str, mode: Mode | None = None, k: int = 1
     ) -> list[tuple[Any, dict[str, Any]]]:
         """Top-k checkpoints by a metric: [(ray.train.Checkpoint, metrics), ...].
 
         Uses the merged metrics (a validated value overrides a reported one of the same
         name). NaN and infinite values are never ranked. Ties go to the earlier report.
+        ``mode`` defaults to "max"; left out for a metric named like a loss or an error,
+        it warns that the highest values come first.
         """
-        return [
-            (self._ray_checkpoint(record), record.metrics)
-            for record in self.best_checkpoint_records(run, metric, mode, k)
-        ]
+        records = self.best_checkpoint_records(run, metric, mode or "max", k)
+        if mode is None and lower_is_better(metric):
+            warnings.warn(
+                f"best_checkpoints ranked {metric!r} with mode='max' (the default), but its "
+                "name says lower is better: pass mode='min' for the lowest values "
+                "(mode='max' keeps the highest and silences this warning).",
+                UserWarning,
+                stacklevel=2,
+            )
+        return [(self._ray_checkpoint(record), record.metrics) for record in records]
 
     @retry_on_disconnect
     def best_checkpoint_records(
@@ -274,6 +283,28 @@ class Registry:
         with self.db.read() as session:
             run_id = self.catalog.require_run_id(session, run)
             return self.queue.validations(session, run_id, run)
+
+    @retry_on_disconnect
+    def list_jobs(
+        self,
+        run: str | None = None,
+        *,
+        statuses: Iterable[JobStatus | str] | None = None,
+        pool: str | None = None,
+        limit: int | None = None,
+    ) -> list[JobRecord]:
+        """Validation jobs of the whole queue (of this namespace), or of one run.
+
+        ``statuses`` and ``pool`` filter; ``limit`` keeps the newest jobs. In id order.
+        """
+        wanted = None if statuses is None else [_job_status(s).value for s in statuses]
+        if limit is not None and limit < 1:
+            raise InvalidInput(f"limit must be at least 1, got {limit}")
+        with self.db.read() as session:
+            run_id = None if run is None else self.catalog.require_run_id(session, run)
+            return self.queue.list_jobs(
+                session, self.namespace, run_id=run_id, statuses=wanted, pool=pool, limit=limit
+            )
 
     @retry_on_disconnect
     def get_job(self, job_id: int, *, namespace: str | None = None) -> JobRecord:
@@ -516,6 +547,14 @@ def _existing_ids(job_ids: Sequence[int] | None) -> list[int] | None:
         except JobNotFound:
             continue
     return existing
+
+
+def _job_status(status: JobStatus | str) -> JobStatus:
+    try:
+        return JobStatus(str(getattr(status, "value", status)).upper())
+    except ValueError:
+        names = ", ".join(s.value for s in JobStatus)
+        raise InvalidInput(f"unknown job status {status!r}: use one of {names}") from None
 
 
 def _checked_metrics(outcome: JobOutcome) -> tuple[dict[str, Any] | None, JobOutcome]:

@@ -1,0 +1,73 @@
+"""How the command line shows values to people: 4 significant digits, local times with
+their zone, short node ids and plain ``key=value`` dicts. JSON output never comes here."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Mapping
+from typing import Any
+
+NODE_ID_CHARS = 8
+SIGNIFICANT_DIGITS = 4
+
+
+def format_value(value: Any, tz: dt.tzinfo | None = None) -> str:
+    """One value as a table cell: "-" for nothing, numbers to 4 significant digits."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return format_float(value)
+    if isinstance(value, dt.datetime):
+        return format_time(value, tz)
+    if isinstance(value, Mapping):
+        return format_mapping(value, tz)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return ",".join(format_value(v, tz) for v in value) or "-"
+    if hasattr(value, "value") and isinstance(getattr(value, "value", None), str):
+        return value.value  # a status enum
+    return str(value)
+
+
+def format_float(value: float) -> str:
+    """0.699999988 (a float32 metric) reads 0.7; 1234567.0 reads 1.235e+06."""
+    if math.isnan(value) or math.isinf(value):
+        return str(value)
+    return f"{value:.{SIGNIFICANT_DIGITS}g}"
+
+
+def format_mapping(value: Mapping[str, Any], tz: dt.tzinfo | None = None) -> str:
+    """``{"accuracy": 0.7, "epoch": 3}`` reads ``accuracy=0.7 epoch=3``."""
+    if not value:
+        return "-"
+    return " ".join(f"{key}={format_value(item, tz)}" for key, item in value.items())
+
+
+def format_time(value: dt.datetime, tz: dt.tzinfo | None = None) -> str:
+    """A registry time (UTC) in ``tz``, by default this machine's zone, with its offset:
+    ``2026-11-23 12:03:04 UTC+01:00``."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=dt.timezone.utc)  # the registry stores UTC
+    local = value.astimezone(tz)
+    offset = local.utcoffset() or dt.timedelta(0)
+    sign = "-" if offset < dt.timedelta(0) else "+"
+    minutes = abs(int(offset.total_seconds())) // 60
+    return f"{local:%Y-%m-%d %H:%M:%S} UTC{sign}{minutes // 60:02d}:{minutes % 60:02d}"
+
+
+def short_node_id(node_id: str | None) -> str | None:
+    """Ray's 56-character node ids, cut like git cuts commit ids."""
+    return None if node_id is None else node_id[:NODE_ID_CHARS]
+
+
+def format_size(size_bytes: int | None) -> str:
+    if size_bytes is None:
+        return "-"
+    size = float(size_bytes)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1024
+    return str(size_bytes)
