@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "CKVAL_"
 
@@ -51,6 +52,23 @@ class Settings(BaseSettings):
     http_host: str = "127.0.0.1"
     http_port: int = 8780
 
+    # Payload signing (validation_service/signing.py) and the modules validate_fn may name.
+    secret_key: str | None = None
+    secret_key_previous: str | None = None
+    allowed_modules: Annotated[list[str] | None, NoDecode] = None
+
+    @field_validator("allowed_modules", mode="before")
+    @classmethod
+    def _split_allowed_modules(cls, value: Any) -> Any:
+        # CKVAL_ALLOWED_MODULES is a JSON list or comma-separated; empty means unrestricted.
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else text.split(",")
+        if isinstance(value, (list, tuple)):
+            value = [str(item).strip() for item in value if str(item).strip()]
+            return value or None
+        return value
+
     def resolved_home(self) -> Path:
         return Path(os.path.expanduser(str(self.home)))
 
@@ -68,9 +86,27 @@ class Settings(BaseSettings):
         return self.pools.get(pool, self.default_pool_size)
 
 
-def ckval_env() -> dict[str, str]:
-    """The CKVAL_* variables of this process, to hand on to Ray workers and actors."""
-    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+def ckval_env(*, include_secrets: bool = False) -> dict[str, str]:
+    """The CKVAL_* variables of this process, to hand on to Ray workers and actors.
+
+    For Ray's ``runtime_env``, which Ray's state API and dashboard show to anyone who can
+    see the cluster, variables that hold a secret (a database URL with a password,
+    CKVAL_SECRET_KEY, CKVAL_API_TOKEN, storage credentials) are left out and named in
+    CKVAL_WITHHELD instead: a worker that lacks them in its own environment gets them
+    from the service actor (trainer_integration's resolve_settings). ``include_secrets``
+    is for channels that are not shown, such as a Dask task's arguments.
+    """
+    from validation_service.secrets import WITHHELD_VAR, secret_env_vars
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX) and k != WITHHELD_VAR}
+    if include_secrets:
+        return env
+    withheld = secret_env_vars(env)
+    for name in withheld:
+        del env[name]
+    if withheld:
+        env[WITHHELD_VAR] = ",".join(withheld)
+    return env
 
 
 def get_settings(**overrides) -> Settings:

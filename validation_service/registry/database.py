@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -24,6 +24,7 @@ from validation_service.registry._engine import (
     is_sqlite,
     write_lock,
 )
+from validation_service.secrets import mask_url
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +35,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 DISCONNECT_RETRIES = 5
 
 
-def masked_url(url: str | Any) -> str:
-    """A database URL fit to print: the password shown as ***."""
-    return make_url(url).render_as_string(hide_password=True)
+# The one URL masker (user:password and secret query parameters), under its first name.
+masked_url = mask_url
 
 
 def is_locked_error(exc: BaseException) -> bool:
