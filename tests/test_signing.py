@@ -22,7 +22,7 @@ from ray.train import Checkpoint
 
 from trainer_integration import Client
 from validation_service.config import Settings
-from validation_service.errors import ModuleNotAllowed
+from validation_service.errors import ModuleNotAllowed, PayloadSignatureError
 from validation_service.registry.registry import Registry
 from validation_service.scheduler import Scheduler
 from validation_service.signing import KEY_FILE, PREFIX, PayloadTrust, key_file
@@ -111,14 +111,14 @@ def test_a_tampered_validate_config_is_never_unpickled(tmp_path, unique_run):
     )
     marker = tmp_path / "config-was-unpickled"
     registry = Registry(settings=settings)
-    # Signed-looking bytes with a forged MAC, and a raw pickle with no signature at all.
-    tamper(registry, job_id, validate_config=PREFIX + b"\0" * 32 + evil_pickle(marker))
+    tamper(registry, job_id, validate_config=evil_pickle(marker))
 
     job = run_jobs(settings, unique_run).get_job(job_id)
 
     assert job.status == "FAILED" and job.attempts == 1
     assert job.error_type == "PayloadSignatureError"
     assert "validate_config payload's signature did not verify" in job.error_message
+    assert "carries no signature" in job.error_message
     assert "CKVAL_SECRET_KEY" in job.error_message
     assert not marker.exists()
     assert registry.checkpoints(unique_run)[0].metrics.get("score") is None
@@ -149,7 +149,19 @@ def test_reporter_and_service_with_different_keys_fail_clearly(tmp_path, unique_
     assert job.status == "FAILED" and job.attempts == 1
     assert job.error_type == "PayloadSignatureError"
     assert "different CKVAL_SECRET_KEY" in job.error_message
+    assert "no configured key produced its signature" in job.error_message
     assert "reporter-key" not in job.error_message and "service-key" not in job.error_message
+
+
+def test_a_forged_signature_does_not_verify(tmp_path):
+    trust = PayloadTrust.from_settings(Settings(home=tmp_path, secret_key="k"))
+    signed = trust.sign("validate_config", b"payload")
+    forged = PREFIX + bytes(32) + b"payload"
+    assert trust.verify("validate_config", signed) == b"payload"
+    with pytest.raises(PayloadSignatureError, match="no configured key produced"):
+        trust.verify("validate_config", forged)
+    with pytest.raises(PayloadSignatureError, match="validate_fn payload"):
+        trust.verify("validate_fn", signed)  # signed as a config, never valid as a function
 
 
 def test_during_a_rotation_the_previous_key_still_verifies(tmp_path, unique_run):
