@@ -53,8 +53,8 @@ class Settings(BaseSettings):
     http_port: int = 8780
 
     # Payload signing (validation_service/signing.py) and the modules validate_fn may name.
-    secret_key: str | None = None
-    secret_key_previous: str | None = None
+    secret_key: str | None = Field(default=None, repr=False)
+    secret_key_previous: str | None = Field(default=None, repr=False)
     allowed_modules: Annotated[list[str] | None, NoDecode] = None
 
     @field_validator("allowed_modules", mode="before")
