@@ -118,7 +118,7 @@ def cluster_state(actor_name: str) -> list[bytes]:
     """Every actor, job and task record the GCS keeps, serialized: what Ray's state API
     (ray.util.state list_actors/list_jobs/list_tasks, runtime_env included) and the
     dashboard serve. Read from the GCS directly: the state API's HTTP server is part of
-    the dashboard, which the test session's Ray does not run."""
+    the dashboard, which the test suite's Ray does not run."""
     from ray._private.state import state
     from ray.core.generated import gcs_pb2
 
