@@ -25,13 +25,16 @@ from validation_service.errors import (
     CkvalError,
     InvalidInput,
     RegistryUnavailable,
+    SecretsUnavailable,
 )
 from validation_service.jobs import ExecutorKind
 from validation_service.metrics import normalize_metrics, to_plain
 from validation_service.names import check_name
 from validation_service.request import ValidationRequest
+from validation_service.secrets import WITHHELD_VAR
+from validation_service.signing import VALIDATE_CONFIG, VALIDATE_FN, PayloadTrust
 from validation_service.storage import CheckpointFolder, CheckpointStorage, PersistedCheckpoint
-from validation_service.validate_fn import import_validate_fn
+from validation_service.validate_fn import check_module_allowed, import_validate_fn
 from validation_service.validation import check_resources, check_step_and_epoch
 
 logger = logging.getLogger(__name__)
@@ -149,7 +152,9 @@ def validation_request(
 def _validate_fn_payload(validate_fn) -> tuple[str | None, bytes | None, str]:
     """(import reference, pickled callable, name) of a validate_fn; one of the first two."""
     if isinstance(validate_fn, str):
-        import_validate_fn(validate_fn)  # a reference that does not import fails here, now
+        # A reference outside CKVAL_ALLOWED_MODULES is refused before it is imported; one
+        # that does not import fails here, now.
+        import_validate_fn(validate_fn, get_settings().allowed_modules)
         return validate_fn, None, validate_fn
     if not callable(validate_fn):
         raise InvalidInput(
@@ -176,6 +181,26 @@ def _config_payload(validate_config: dict | None) -> bytes:
             f"validate_config cannot be pickled ({exc}); it is stored until the validation "
             "runs. Pass plain values, paths or URIs instead of open handles or locks."
         ) from None
+
+
+def signed_request(job: ValidationRequest | None, trust: PayloadTrust) -> ValidationRequest | None:
+    """The request as it is stored: its pickled validate_fn and validate_config signed
+    with the reporter's key, so that the service unpickles nothing it cannot verify.
+
+    Raises ModuleNotAllowed for a reference outside the reporter's allowed modules,
+    before anything is stored. Signing a signed request changes nothing.
+    """
+    if job is None:
+        return None
+    if job.validate_fn_ref:
+        check_module_allowed(job.validate_fn_ref, trust.allowed_modules)
+    fn = job.validate_fn_pickle
+    config = job.validate_config
+    signed_fn = trust.sign(VALIDATE_FN, fn) if fn is not None else None
+    signed_config = trust.sign(VALIDATE_CONFIG, config) if config is not None else None
+    if signed_fn is fn and signed_config is config:
+        return job
+    return dataclasses.replace(job, validate_fn_pickle=signed_fn, validate_config=signed_config)
 
 
 def _checked_resources(validate_fn, validation_resources: dict | None) -> dict[str, Any]:
@@ -233,6 +258,14 @@ class RunReporter:
         self._reserving: ThreadPoolExecutor | None = None
         self._pending: list[tuple[int, Future]] = []
         self._pending_lock = threading.Lock()
+        self._trust: PayloadTrust | None = None
+
+    @property
+    def trust(self) -> PayloadTrust:
+        """The key this reporter signs with and the modules its references may name."""
+        if self._trust is None:
+            self._trust = PayloadTrust.from_settings(self.settings)
+        return self._trust
 
     @property
     def run_id(self) -> int:
@@ -308,6 +341,7 @@ class RunReporter:
         metrics: dict[str, Any],
         job: ValidationRequest | None,
     ):
+        job = signed_request(job, self.trust)
         registration = self.registry.register_checkpoint(
             self.run_id,
             index,
@@ -339,6 +373,7 @@ class RunReporter:
         ASYNC returns at once: store_and_register(). Raises ReportNotDelivered first if
         an earlier report could not be delivered.
         """
+        job = signed_request(job, self.trust)  # refused before anything is copied
         if mode is CheckpointUploadMode.ASYNC:
             stored = self.store_and_register(metrics, checkpoint, job, delete_local=delete_local)
             return stored.index, stored.uri
@@ -373,6 +408,7 @@ class RunReporter:
         """
         import pyarrow.fs
 
+        job = signed_request(job, self.trust)  # refused before anything is copied
         self.raise_undelivered()
         info = checkpoint.filesystem.get_file_info(checkpoint.path)
         if info.type != pyarrow.fs.FileType.Directory:
@@ -594,21 +630,46 @@ class _Nudger:
 def resolve_settings() -> Settings:
     """This process's settings: CKVAL_* variables, else those of the running service.
 
-    Ray workers inherit the variables of the process that started Ray; on a remote
-    cluster they get the deployed service's settings instead.
+    Ray workers inherit the variables of the process that started Ray, or get them
+    through Ray's runtime_env (``ckval_env()``). Secrets are never put in runtime_env
+    (Ray's state API shows it): the variables withheld there are named in CKVAL_WITHHELD,
+    and a worker that lacks them in its own environment gets them, with the signing key,
+    from the service actor. A process with no CKVAL_* variable at all (a remote cluster)
+    gets the service's settings.
     """
     settings = get_settings()
-    if any(k.startswith("CKVAL_") for k in os.environ):
+    withheld = [
+        name
+        for name in os.environ.get(WITHHELD_VAR, "").split(",")
+        if name and name not in os.environ
+    ]
+    configured = any(k.startswith("CKVAL_") and k != WITHHELD_VAR for k in os.environ)
+    if configured and not withheld:
         return settings
     try:
-        import ray
+        served = _service_settings(settings)
+    except Exception as exc:  # noqa: BLE001 - no service: the defaults apply, unless withheld
+        if withheld:
+            raise SecretsUnavailable(withheld, f"{type(exc).__name__}: {exc}") from None
+        return settings
+    if not configured:
+        return served
+    fields = {name[len("CKVAL_") :].lower() for name in withheld}
+    # The service signs with the driver's key: take it unless this process has its own.
+    for field in ("secret_key", "secret_key_previous"):
+        if f"CKVAL_{field.upper()}" not in os.environ:
+            fields.add(field)
+    return settings.model_copy(update={field: getattr(served, field) for field in fields})
 
-        if ray.is_initialized():
-            actor = ray.get_actor(settings.service_name, namespace=settings.ray_namespace)
-            return Settings.model_validate_json(ray.get(actor.settings_json.remote(), timeout=30))
-    except Exception:  # noqa: BLE001 - no service yet: the defaults apply
-        pass
-    return settings
+
+def _service_settings(settings: Settings) -> Settings:
+    """The running service's full settings, through an actor call (not shown by Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError("this process is not connected to Ray")
+    actor = ray.get_actor(settings.service_name, namespace=settings.ray_namespace)
+    return Settings.model_validate_json(ray.get(actor.reporter_settings_json.remote(), timeout=30))
 
 
 def pointer_bytes(run: str, index: int, uri: str) -> bytes:

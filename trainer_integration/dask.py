@@ -130,7 +130,7 @@ def driver_env() -> dict[str, str]:
 
     settings = get_settings()
     return {
-        **ckval_env(),
+        **ckval_env(include_secrets=True),
         "CKVAL_DATABASE_URL": settings.resolved_database_url(),
         "CKVAL_STORAGE": settings.resolved_storage(),
     }

@@ -126,6 +126,23 @@ class Settings(BaseSettings):
             raise ValueError(f"must be a TCP port from 0 to 65535, got {value!r}")
         return value
 
+    # Payload signing (validation_service/signing.py) and the modules validate_fn may name.
+    secret_key: str | None = Field(default=None, repr=False)
+    secret_key_previous: str | None = Field(default=None, repr=False)
+    allowed_modules: Annotated[list[str] | None, NoDecode] = None
+
+    @field_validator("allowed_modules", mode="before")
+    @classmethod
+    def _split_allowed_modules(cls, value: Any) -> Any:
+        # CKVAL_ALLOWED_MODULES is a JSON list or comma-separated; empty means unrestricted.
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else text.split(",")
+        if isinstance(value, (list, tuple)):
+            value = [str(item).strip() for item in value if str(item).strip()]
+            return value or None
+        return value
+
     def resolved_home(self) -> Path:
         return Path(os.path.expanduser(str(self.home)))
 
@@ -173,16 +190,27 @@ class Settings(BaseSettings):
         return value
 
 
-# Settings only the HTTP API reads: never copied into Ray's runtime_env (which Ray's
-# dashboard shows), so a Ray worker or the service actor never holds them.
-_API_ONLY_ENV = frozenset({f"{ENV_PREFIX}API_TOKEN"})
+def ckval_env(*, include_secrets: bool = False) -> dict[str, str]:
+    """The CKVAL_* variables of this process, to hand on to Ray workers and actors.
 
+    For Ray's ``runtime_env``, which Ray's state API and dashboard show to anyone who can
+    see the cluster, variables that hold a secret (a database URL with a password,
+    CKVAL_SECRET_KEY, CKVAL_API_TOKEN, storage credentials) are left out and named in
+    CKVAL_WITHHELD instead: a worker that lacks them in its own environment gets them
+    from the service actor (trainer_integration's resolve_settings). ``include_secrets``
+    is for channels that are not shown, such as a Dask task's arguments.
+    """
+    from validation_service.secrets import WITHHELD_VAR, secret_env_vars
 
-def ckval_env() -> dict[str, str]:
-    """The CKVAL_* variables of this process, to hand on to Ray workers and actors."""
-    return {
-        k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX) and k not in _API_ONLY_ENV
-    }
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX) and k != WITHHELD_VAR}
+    if include_secrets:
+        return env
+    withheld = secret_env_vars(env)
+    for name in withheld:
+        del env[name]
+    if withheld:
+        env[WITHHELD_VAR] = ",".join(withheld)
+    return env
 
 
 def get_settings(**overrides) -> Settings:

@@ -128,14 +128,15 @@ def run_demo(epochs: int = 5, num_workers: int = 2, run_name: str | None = None)
 
     from validation_service.config import ckval_env, get_settings
     from validation_service.registry.registry import Registry
+    from validation_service.secrets import mask_url
     from validation_service.service import ValidationService
 
     settings = get_settings()
     home = settings.resolved_home()
     run_name = run_name or f"ckval-demo-{time.strftime('%Y%m%d-%H%M%S')}"
     print(f"ckval demo: run {run_name!r}")
-    print(f"  registry: {settings.resolved_database_url()}")
-    print(f"  storage:  {settings.resolved_storage()}")
+    print(f"  registry: {mask_url(settings.resolved_database_url())}")
+    print(f"  storage:  {mask_url(settings.resolved_storage())}")
     if not ray.is_initialized():
         # Logical CPUs for 2 training workers plus concurrent validations, on any machine.
         ray.init(

@@ -247,3 +247,52 @@ def _registry_unavailable(
     error = RegistryUnavailable(database, orig, source=source)
     error.connection_invalidated = connection_invalidated
     return error
+
+
+class PayloadSignatureError(CkvalError, PermissionError):
+    """A stored validate_fn or validate_config whose signature does not verify.
+
+    The payload is never unpickled: its job fails at once, without retries.
+    """
+
+    def __init__(self, job_id: int | None, kind: str, reason: str):
+        self.job_id = job_id
+        self.kind = kind
+        where = f"validation job {job_id}: " if job_id is not None else ""
+        super().__init__(
+            f"{where}the stored {kind} payload's signature did not verify ({reason}), so it "
+            "was not unpickled. Either the validation_jobs row was changed after it was "
+            "reported (a tampered database: investigate before anything else), or the "
+            "process that reported it and the service use different CKVAL_SECRET_KEY values. "
+            "Set the same CKVAL_SECRET_KEY on the service and every reporter (during a key "
+            "rotation, the old key as CKVAL_SECRET_KEY_PREVIOUS on the service), then "
+            "report the checkpoint again."
+        )
+
+
+class ModuleNotAllowed(InvalidInput):
+    """A validate_fn reference to a module outside CKVAL_ALLOWED_MODULES."""
+
+    def __init__(self, ref: str, allowed: list[str]):
+        self.ref = ref
+        self.allowed = allowed
+        super().__init__(
+            f"validate_fn reference {ref!r} names a module outside CKVAL_ALLOWED_MODULES "
+            f"({', '.join(allowed)}); it was not imported. Move the function into one of "
+            "those packages, pass the function itself, or add its package to "
+            "CKVAL_ALLOWED_MODULES on the service and the reporters."
+        )
+
+
+class SecretsUnavailable(CkvalError, RuntimeError):
+    """Settings withheld from Ray's runtime_env that this process could not obtain."""
+
+    def __init__(self, names: list[str], reason: str):
+        self.names = names
+        super().__init__(
+            f"This Ray worker did not get {', '.join(names)}: they hold secrets, so the "
+            "driver does not put them in Ray's runtime_env (the state API and dashboard "
+            f"show it), and the ckval service could not hand them over ({reason}). Start the "
+            "service from the driver before training (ValidationService.start()), or set "
+            "those variables on every Ray node (deploy/ does)."
+        )

@@ -15,7 +15,10 @@ class ValidationRequest:
 
     ``validate_fn_ref`` is an importable ``"package.module:function"`` and
     ``validate_fn_pickle`` a cloudpickled callable (one of the two); ``validate_config`` is
-    cloudpickled. ``pool`` is the concurrency pool the job counts against.
+    cloudpickled. The reporter signs both pickles before they are stored
+    (``trainer_integration._reporter.signed_request``, ``validation_service.signing``):
+    an attempt unpickles only what verifies. ``pool`` is the concurrency pool the job
+    counts against.
 
     Made only with values the registry can store: the fields a report() argument sets
     (priority, timeout_s, max_attempts, resources, coalesce) are checked here, so every

@@ -12,12 +12,17 @@ import ray
 
 from validation_service.config import Settings, ckval_env, get_settings
 from validation_service.logs import configure_logging
+from validation_service.secrets import SECRET_FIELDS, has_secret, mask_url, public_settings
 
 logger = logging.getLogger(__name__)
 
 
 class _ServiceActor:
-    """Runs the scheduler loop in a thread; its methods answer while the loop works."""
+    """Runs the scheduler loop in a thread; its methods answer while the loop works.
+
+    Its settings, secrets included, arrive as the constructor's argument: Ray's state API
+    and dashboard show an actor's runtime_env, never its arguments.
+    """
 
     def __init__(self, settings_json: str):
         from validation_service.registry.registry import Registry
@@ -45,13 +50,21 @@ class _ServiceActor:
         return self.scheduler.owner
 
     def settings_json(self) -> str:
+        """The service's settings without secrets (masked URL, no keys or tokens)."""
+        return public_settings(self.settings).model_dump_json()
+
+    def reporter_settings_json(self) -> str:
+        """The full settings, signing key included, for reporters on Ray workers that lack
+        the secrets the driver withheld from runtime_env. An actor call's result is not
+        shown by Ray's state API; anyone who can run code on the cluster can call it, as
+        they could read the workers' environment."""
         return self.settings.model_dump_json()
 
     def status(self) -> dict[str, Any]:
         return {
             "owner": self.scheduler.owner,
             "database_url": self.registry.display_url,
-            "storage": self.settings.resolved_storage(),
+            "storage": mask_url(self.settings.resolved_storage()),
             "pools": self.settings.pools,
             "default_pool_size": self.settings.default_pool_size,
             "in_flight": self.scheduler.in_flight,
@@ -106,17 +119,23 @@ class ValidationService:
         """Starts the service on the connected Ray cluster (connecting first if needed).
 
         Returns the running one when it already exists with the same database; raises
-        when one exists for another database, naming both.
+        when one exists for another database, naming both (passwords masked). The
+        settings, secrets included, reach the actor as its constructor argument; only
+        the CKVAL_* variables that hold no secret go into its runtime_env.
         """
+        from validation_service.signing import secret_key
+
         settings = settings or get_settings()
         update = {"database_url": database_url, "storage": storage, "pools": pools, **overrides}
         settings = settings.model_copy(update={k: v for k, v in update.items() if v is not None})
         ensure_ray(settings)
-        # Settle the embedded defaults here so the actor uses this process's CKVAL_HOME.
+        # Settle the embedded defaults here so the actor uses this process's CKVAL_HOME,
+        # and this process's signing key (its reporters sign with it).
         settings = settings.model_copy(
             update={
                 "database_url": settings.resolved_database_url(),
                 "storage": settings.resolved_storage(),
+                "secret_key": secret_key(settings),
             }
         )
         actor_cls = ray.remote(_ServiceActor)
@@ -135,14 +154,24 @@ class ValidationService:
         ).remote(settings.model_dump_json())
         handle = ServiceHandle(actor, settings)
         running = Settings.model_validate_json(ray.get(actor.settings_json.remote(), timeout=120))
-        if running.resolved_database_url() != settings.resolved_database_url():
+        # settings_json() masks the URL: compare masked (a password does not change which
+        # database it is) and never print one.
+        ours = mask_url(settings.resolved_database_url())
+        if running.resolved_database_url() != ours:
             raise RuntimeError(
                 f"A ckval service named {settings.service_name!r} already runs on this Ray "
                 f"cluster with database {running.resolved_database_url()!r}, not "
-                f"{settings.resolved_database_url()!r}. Stop it (`ckval stop`) or pick "
-                "another CKVAL_SERVICE_NAME."
+                f"{ours!r}. Stop it (`ckval stop`) or pick another CKVAL_SERVICE_NAME."
             )
-        handle.settings = running
+        # The running service's settings, with this process's secrets for the same database.
+        secrets_here = {
+            name: getattr(settings, name)
+            for name in ("database_url", "storage_options", *SECRET_FIELDS)
+            if name in Settings.model_fields
+        }
+        if has_secret(settings.storage):
+            secrets_here["storage"] = settings.storage
+        handle.settings = running.model_copy(update=secrets_here)
         return handle
 
     @staticmethod

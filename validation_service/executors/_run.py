@@ -9,19 +9,19 @@ import tempfile
 import traceback
 from typing import Any
 
-import cloudpickle
-
 from validation_service.context import ValidationContext, current_validation, validation_context
 from validation_service.errors import (
     CheckpointCorrupt,
     CheckpointNotFound,
     InvalidInput,
+    PayloadSignatureError,
     PermanentValidationError,
 )
 from validation_service.metrics import normalize_metrics
 from validation_service.registry.records import ClaimedJob
+from validation_service.signing import PayloadTrust
 from validation_service.storage import CheckpointStorage
-from validation_service.validate_fn import load_validate_fn
+from validation_service.validate_fn import load_validate_config, load_validate_fn
 
 # Also importable from here, where they were first defined.
 __all__ = [
@@ -33,20 +33,41 @@ __all__ = [
 
 
 # Errors that cannot go away by running the same attempt again.
-_PERMANENT = (CheckpointNotFound, CheckpointCorrupt, PermanentValidationError, InvalidInput)
+_PERMANENT = (
+    CheckpointNotFound,
+    CheckpointCorrupt,
+    PermanentValidationError,
+    InvalidInput,
+    PayloadSignatureError,
+)
 
 
-def run_attempt(job: ClaimedJob, storage_root: str, storage_options: dict) -> dict[str, Any]:
-    """Runs one attempt and returns a plain outcome dict (errors are values, not raises)."""
+def run_attempt(
+    job: ClaimedJob,
+    storage_root: str,
+    storage_options: dict,
+    trust: PayloadTrust | None = None,
+) -> dict[str, Any]:
+    """Runs one attempt and returns a plain outcome dict (errors are values, not raises).
+
+    The job's payloads are verified with ``trust`` (the service's keys and allowed
+    modules; default: this process's settings) before anything is unpickled or imported.
+    """
     started_at = dt.datetime.now(dt.timezone.utc)
     where = _where()
     workdir = tempfile.mkdtemp(prefix=f"ckval-job{job.job_id}-")
     try:
         from ray.train import Checkpoint
 
+        if trust is None:
+            from validation_service.config import get_settings
+
+            trust = PayloadTrust.from_settings(get_settings())
         storage = CheckpointStorage(storage_root, storage_options)
-        validate_fn = load_validate_fn(job.validate_fn_ref, job.validate_fn_pickle)
-        config = cloudpickle.loads(job.validate_config) if job.validate_config else {}
+        validate_fn = load_validate_fn(
+            job.validate_fn_ref, job.validate_fn_pickle, trust=trust, job_id=job.job_id
+        )
+        config = load_validate_config(job.validate_config, trust=trust, job_id=job.job_id)
         local_dir = storage.materialize(job.uri, job.manifest_sha256, workdir)
         context = ValidationContext(
             job.run,

@@ -14,11 +14,16 @@ from validation_service.executors import AttemptHandle
 from validation_service.executors._run import run_attempt
 from validation_service.jobs import ExecutorKind
 from validation_service.registry.records import ClaimedJob, JobOutcome
+from validation_service.signing import PayloadTrust
 
 
 @ray.remote(max_retries=0)
-def _validation_task(job: ClaimedJob, storage_root: str, storage_options: dict) -> dict:
-    return run_attempt(job, storage_root, storage_options)
+def _validation_task(
+    job: ClaimedJob, storage_root: str, storage_options: dict, trust: PayloadTrust
+) -> dict:
+    # The keys travel as an argument: Ray's state API shows a task's runtime_env, never
+    # its arguments.
+    return run_attempt(job, storage_root, storage_options, trust)
 
 
 @dataclasses.dataclass
@@ -45,12 +50,13 @@ class RayTaskExecutor:
 
     def __init__(self, settings: Settings):
         self.settings = settings
+        self.trust = PayloadTrust.from_settings(settings)
 
     def launch(self, job: ClaimedJob) -> RayTaskHandle:
         ref = _validation_task.options(
             name=f"ckval-validate:{job.run}:{job.report_index}",
             **task_options(job.resources),
-        ).remote(job, job.storage_root, self.settings.storage_options)
+        ).remote(job, job.storage_root, self.settings.storage_options, self.trust)
         return RayTaskHandle(job, time.monotonic(), ref)
 
     def poll(self, handle: RayTaskHandle) -> JobOutcome | None:

@@ -14,7 +14,12 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModuleError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    IntegrityError,
+    NoSuchModuleError,
+)
 from sqlalchemy.orm import Session, sessionmaker
 
 from validation_service import retry
@@ -32,6 +37,7 @@ from validation_service.registry._engine import (
     is_sqlite,
     write_lock,
 )
+from validation_service.secrets import mask_url
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +48,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 DISCONNECT_RETRIES = 5
 
 
-def masked_url(url: str | Any) -> str:
-    """A database URL fit to print: the password shown as ***."""
-    return make_url(url).render_as_string(hide_password=True)
+# The one URL masker (user:password and secret query parameters), under its first name.
+masked_url = mask_url
 
 
 def _printable_url(url: str) -> str:

@@ -1,0 +1,164 @@
+"""Signed payloads: HMAC-SHA256 over the validate_fn and validate_config bytes a job stores.
+
+Reporters sign what they store (``PayloadTrust.sign``); an attempt verifies before it
+unpickles anything (``PayloadTrust.verify``). The key is CKVAL_SECRET_KEY, else one
+generated once into ``CKVAL_HOME/secret_key``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from validation_service.errors import InvalidInput, PayloadSignatureError
+
+if TYPE_CHECKING:
+    from validation_service.config import Settings
+
+logger = logging.getLogger(__name__)
+
+# A signed payload is PREFIX + 32-byte MAC + the cloudpickled bytes: the signature travels
+# in the same column as the payload, so no schema change was needed. The version in the
+# prefix leaves room for another scheme later.
+PREFIX = b"ckv1:"
+MAC_SIZE = hashlib.sha256().digest_size
+KEY_FILE = "secret_key"
+
+VALIDATE_FN = "validate_fn"
+VALIDATE_CONFIG = "validate_config"
+_KINDS = (VALIDATE_FN, VALIDATE_CONFIG)
+
+_warned_shared = False
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class PayloadTrust:
+    """What a process trusts in a stored job: payloads signed with ``keys`` (the first
+    signs, every one verifies) and validate_fn references into ``allowed_modules``
+    (None: any module)."""
+
+    keys: tuple[bytes, ...]
+    allowed_modules: tuple[str, ...] | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PayloadTrust:
+        keys = [secret_key(settings)]
+        if settings.secret_key_previous:
+            keys.append(settings.secret_key_previous)
+        allowed = tuple(settings.allowed_modules) if settings.allowed_modules else None
+        return cls(tuple(key.encode() for key in keys), allowed)
+
+    def __repr__(self) -> str:
+        # Never the keys: this object travels into Ray tasks and may be logged.
+        hidden = f"<{len(self.keys)} hidden>"
+        return f"PayloadTrust(keys={hidden}, allowed_modules={self.allowed_modules})"
+
+    def sign(self, kind: str, data: bytes) -> bytes:
+        """``data`` with its signature in front; signed data is returned unchanged."""
+        if is_signed(data):
+            return data
+        return PREFIX + _mac(self.keys[0], kind, data) + data
+
+    def verify(self, kind: str, signed: bytes, *, job_id: int | None = None) -> bytes:
+        """The payload bytes, once the signature in front of them verifies with one of the
+        keys; raises PayloadSignatureError otherwise (nothing is unpickled)."""
+        if not is_signed(signed):
+            raise PayloadSignatureError(
+                job_id,
+                kind,
+                "it carries no signature: stored by a ckval without payload "
+                "signing, or written into the database by something else",
+            )
+        mac = signed[len(PREFIX) : len(PREFIX) + MAC_SIZE]
+        data = signed[len(PREFIX) + MAC_SIZE :]
+        for key in self.keys:
+            if hmac.compare_digest(mac, _mac(key, kind, data)):
+                return data
+        raise PayloadSignatureError(job_id, kind, "no configured key produced its signature")
+
+
+def is_signed(data: bytes) -> bool:
+    return data.startswith(PREFIX) and len(data) >= len(PREFIX) + MAC_SIZE
+
+
+def _mac(key: bytes, kind: str, data: bytes) -> bytes:
+    if kind not in _KINDS:
+        raise ValueError(f"unknown payload kind {kind!r}")
+    # Domain separation: a signed validate_config is never valid as a validate_fn.
+    message = b"ckval-payload\x00" + kind.encode() + b"\x00" + data
+    return hmac.new(key, message, hashlib.sha256).digest()
+
+
+def secret_key(settings: Settings) -> str:
+    """The signing key: CKVAL_SECRET_KEY, else the one kept in ``CKVAL_HOME/secret_key``.
+
+    A registry that is not the embedded SQLite is usually shared by machines that do not
+    share CKVAL_HOME: without CKVAL_SECRET_KEY each would sign with its own key file and
+    their jobs would fail to verify, so that case is warned about once.
+    """
+    if settings.secret_key:
+        return settings.secret_key
+    global _warned_shared
+    url = settings.resolved_database_url()
+    if not url.startswith("sqlite") and not _warned_shared:
+        _warned_shared = True
+        logger.warning(
+            "CKVAL_SECRET_KEY is not set: payloads are signed with the key in %s. A shared "
+            "deployment must set the same CKVAL_SECRET_KEY on the service and every "
+            "reporter, or their validation jobs fail with a signature error.",
+            settings.resolved_home() / KEY_FILE,
+        )
+    return key_file(settings.resolved_home())
+
+
+def key_file(home: Path) -> str:
+    """The key in ``home/secret_key``, generated there (mode 0600) if there is none.
+
+    The new key is written to a private file first (``O_CREAT | O_EXCL``, 0600) and then
+    linked into place, which fails if the name exists: the file never appears half
+    written, and of two processes racing, both end up with the winner's key.
+    """
+    path = Path(home) / KEY_FILE
+    try:
+        return _read_key(path)
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    draft = path.with_name(f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, secrets.token_bytes(32).hex().encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(draft, path)
+    except FileExistsError:
+        pass  # another process made it first: its key is the key
+    finally:
+        os.unlink(draft)
+    return _read_key(path)
+
+
+def _read_key(path: Path) -> str:
+    key = path.read_text().strip()
+    if not key:
+        raise InvalidInput(
+            f"The signing key file {path} is empty. Delete it (a new key is made) or set "
+            "CKVAL_SECRET_KEY; jobs signed with the lost key must be reported again."
+        )
+    mode = path.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning(
+            "the signing key file %s is readable by other users (mode %o): chmod 600 it",
+            path,
+            stat.S_IMODE(mode),
+        )
+    return key
