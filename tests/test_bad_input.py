@@ -305,8 +305,8 @@ def run_cli(*args: str, env: dict[str, str] | None = None):
     return CliRunner().invoke(main, list(args), env=env)
 
 
-def assert_one_line_error(result, *expected: str) -> None:
-    assert result.exit_code == 2, result.output
+def assert_one_line_error(result, *expected: str, exit_code: int = 2) -> None:
+    assert result.exit_code == exit_code, result.output
     assert "Traceback" not in result.output
     [line] = result.output.strip().splitlines()
     assert line.startswith("error: ")
@@ -324,15 +324,15 @@ def test_cli_huge_job_id_and_k_are_clear_errors(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("url", "expected"),
+    ("url", "expected", "exit_code"),
     [
-        ("notaurl", "CKVAL_DATABASE_URL is not a database URL"),
-        (REFUSED_URL, "unavailable (OperationalError: connection failed"),
+        ("notaurl", "CKVAL_DATABASE_URL is not a database URL", 2),  # the user's input
+        (REFUSED_URL, "unavailable (OperationalError: connection failed", 1),  # an outage
     ],
 )
-def test_cli_bad_or_unreachable_database_is_one_line(url, expected):
+def test_cli_bad_or_unreachable_database_is_one_line(url, expected, exit_code):
     result = run_cli("runs", env={"CKVAL_DATABASE_URL": url})
-    assert_one_line_error(result, expected, "CKVAL_DATABASE_URL")
+    assert_one_line_error(result, expected, "CKVAL_DATABASE_URL", exit_code=exit_code)
     assert "s3cret" not in result.output
 
 

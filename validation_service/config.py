@@ -85,18 +85,19 @@ class Settings(BaseSettings):
         except SettingsError as exc:
             raise InvalidSettings(_parsing_message(exc)) from None
 
-    @field_validator(
-        "lease_s",
-        "heartbeat_s",
-        "poll_interval_s",
-        "retry_backoff_s",
-        "retry_backoff_max_s",
-        "delivery_timeout_s",
-    )
+    @field_validator("lease_s", "poll_interval_s", "delivery_timeout_s")
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"must be a positive number of seconds, got {value!r}")
+        return value
+
+    # 0 is meaningful here: a heartbeat every loop, a retry without waiting.
+    @field_validator("heartbeat_s", "retry_backoff_s", "retry_backoff_max_s")
+    @classmethod
+    def _seconds(cls, value: float) -> float:
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"must be a number of seconds, 0 or more, got {value!r}")
         return value
 
     @field_validator("default_pool_size")
