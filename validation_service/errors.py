@@ -134,3 +134,33 @@ def _registry_unavailable(database: str, orig, connection_invalidated: bool):
     error = RegistryUnavailable(database, orig)
     error.connection_invalidated = connection_invalidated
     return error
+
+
+class ValidationsFailedWarning(UserWarning):
+    """Registry.wait() found validations of the run that FAILED or TIMED_OUT."""
+
+
+class ValidationsFailed(CkvalError):
+    """Validations of a run ended FAILED or TIMED_OUT (``wait(..., raise_on_failure=True)``).
+
+    ``failed`` maps each job id to a one-line reason (its status and error).
+    """
+
+    def __init__(self, run: str, failed: dict[int, str], total: int):
+        self.run = run
+        self.failed = dict(failed)
+        self.job_ids = sorted(failed)
+        self.total = total
+        super().__init__(failed_validations_message(run, self.failed, total))
+
+
+def failed_validations_message(run: str, failed: dict[int, str], total: int) -> str:
+    """What ValidationsFailed and ValidationsFailedWarning say: which jobs, why, what next."""
+    shown = sorted(failed)[:10]
+    lines = "; ".join(f"job {job_id}: {failed[job_id]}" for job_id in shown)
+    more = f"; and {len(failed) - len(shown)} more" if len(failed) > len(shown) else ""
+    return (
+        f"{len(failed)} of {total} validation(s) of run {run!r} failed ({lines}{more}). "
+        f"See `ckval job {shown[0]}` for the traceback; after fixing the cause, run them "
+        f"again with `ckval retry --failed --run {run}`."
+    )
