@@ -307,3 +307,26 @@ def test_wait_still_raises_timeout_while_jobs_are_active(registry):
             RUN, timeout_s=0.2, progress=ProgressRenderer(stream, isatty=True, min_interval_s=0)
         )
     assert stream.getvalue().endswith("\n")  # the line drawn in place was ended
+
+
+# --------------------------------------------------------------------- demo
+def test_demo_exit_message_names_the_failed_validation(registry):
+    from validation_service.demo import exit_message
+
+    ids = register_jobs(registry, 3)
+    for _ in range(2):
+        succeed(registry, claim_one(registry))
+    fail(registry, claim_one(registry))
+    message = exit_message(registry, RUN, epochs=3)
+    assert message.startswith(f"1 of 3 validation(s) of run {RUN!r} failed (job {ids[2]}: ")
+    assert f"`ckval job {ids[2]}`" in message
+
+
+def test_demo_exit_message_is_none_when_every_epoch_validated(registry):
+    from validation_service.demo import exit_message
+
+    register_jobs(registry, 2)
+    for _ in range(2):
+        succeed(registry, claim_one(registry))
+    assert exit_message(registry, RUN, epochs=2) is None
+    assert "expected 3 validated checkpoints" in exit_message(registry, RUN, epochs=3)
