@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "CKVAL_"
 
@@ -50,6 +50,19 @@ class Settings(BaseSettings):
 
     http_host: str = "127.0.0.1"
     http_port: int = 8780
+
+    # Trackers that validated metrics are logged to: CKVAL_SINKS="mlflow,wandb" or a JSON
+    # list such as [{"kind": "mlflow", "tracking_uri": "sqlite:///mlflow.db"}] (see sinks/).
+    sinks: Annotated[list[dict[str, Any]], NoDecode] = Field(default_factory=list)
+    sink_attempts: int = 4
+    sink_backoff_s: float = 2.0
+
+    @field_validator("sinks", mode="before")
+    @classmethod
+    def _parse_sinks(cls, value: Any) -> list[dict[str, Any]]:
+        from validation_service.sinks import parse_sinks
+
+        return parse_sinks(value)
 
     def resolved_home(self) -> Path:
         return Path(os.path.expanduser(str(self.home)))

@@ -19,6 +19,7 @@ from validation_service.executors import AttemptHandle, Executor, default_execut
 from validation_service.registry.records import ClaimedJob, JobOutcome
 from validation_service.registry.registry import Registry
 from validation_service.retry import RetryPolicy
+from validation_service.sinks import SinkDispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class Scheduler:
             "recovered": 0,
             "ticks": 0,
         }
+        # Logs SUCCEEDED jobs' metrics to the configured trackers (MLflow, W&B), off the loop.
+        self.sinks = SinkDispatcher.from_settings(settings, registry, self.stats)
 
     # ------------------------------------------------------------- controls
     def wake(self) -> None:
@@ -114,6 +117,7 @@ class Scheduler:
                 self._stop.wait(COALESCE_S)
             self._wake.clear()
         self._cancel_all()
+        self.sinks.close()
         logger.info("scheduler %s stopped", self.owner)
 
     # ----------------------------------------------------------------- loop
@@ -194,6 +198,8 @@ class Scheduler:
     def _finish(self, job: ClaimedJob, outcome: JobOutcome) -> None:
         if self.registry.finish_job(job.job_id, job.lease_token, outcome, policy=self.retry_policy):
             self.stats["finished"] += 1
+            if outcome.succeeded:
+                self.sinks.submit(job)
         else:
             self.stats["stale"] += 1
 

@@ -117,6 +117,16 @@ class Registry:
         return self.catalog.find_run_id(name)
 
     @retry_on_disconnect
+    def run_tags(self, name: str, namespace: str | None = None) -> dict[str, Any]:
+        """The tags of the named run (of this namespace, or of ``namespace``); {} if none."""
+        return self.catalog.run_tags(name, namespace)
+
+    @retry_on_disconnect
+    def tag_run(self, run_id: int, tags: dict[str, Any]) -> None:
+        """Sets these tags of the run, keeping its others."""
+        self.catalog.merge_run_tags(run_id, tags)
+
+    @retry_on_disconnect
     def runs(self) -> list[RunRecord]:
         with self.db.read() as session:
             return self.catalog.runs(session)
