@@ -249,3 +249,33 @@ def test_a_failing_sink_is_retried_and_reported_and_the_job_succeeds(ray_session
     [warning] = [r for r in caplog.records if r.name == "validation_service.sinks"]
     assert f"validation job {job.id}" in warning.getMessage()
     assert "after 2 attempts" in warning.getMessage()
+
+
+@pytest.mark.ray
+def test_the_service_logs_validated_metrics_to_mlflow(ray_session, home, mlflow_uri):
+    from validation_service.service import ValidationService
+
+    settings = settings_for(home, [{"kind": "mlflow"}])
+    service = ValidationService.start(settings=settings)
+    try:
+        run = f"mlflow-service-{uuid.uuid4().hex[:6]}"
+        with mlflow.start_run() as training:
+            client = Client(run, settings=settings)
+            folder = home / "model"
+            folder.mkdir()
+            (folder / "model.json").write_text(json.dumps({"accuracy": 0.5}))
+            client.report(
+                {"epoch": 2},
+                Checkpoint.from_directory(str(folder)),
+                validate_fn="tests.test_sinks:accuracy_of",
+            )
+        client.wait(timeout_s=180)
+        deadline = time.monotonic() + 120
+        while service.status()["sink_deliveries"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert service.status()["sink_failures"] == 0
+    finally:
+        service.stop()
+    tracking = mlflow.MlflowClient(mlflow_uri)
+    [metric] = tracking.get_metric_history(training.info.run_id, "accuracy")
+    assert (metric.step, metric.value) == (2, 0.5)  # the checkpoint's epoch, as no step
