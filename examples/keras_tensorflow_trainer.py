@@ -8,13 +8,15 @@ python examples/keras_tensorflow_trainer.py [--epochs 4] [--run keras-example]
 from trainer_integration.keras import ReportCheckpointCallback, load_model  # isort: skip
 
 import argparse
+import logging
 
 import numpy as np
 import ray
 import ray.train
-from ray.train import RunConfig, ScalingConfig
+from ray.train import LoggingConfig, RunConfig, ScalingConfig
 from ray.train.tensorflow import TensorflowTrainer
 
+from trainer_integration import ray_results_path
 from validation_service import Registry
 
 
@@ -60,18 +62,24 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--run", default="keras-example")
     args = parser.parse_args()
+    # Quiet: Ray's warnings only on the driver; workers' output stays in Ray's log files.
+    ray.init(log_to_driver=False, logging_level=logging.WARNING, include_dashboard=False)
     dataset = ray.data.from_items([{"x": x / 200, "y": 2 * x / 200} for x in range(200)])
     trainer = TensorflowTrainer(
         train_func,
         train_loop_config={"epochs": args.epochs, "lr": 0.05},
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name=args.run),
+        run_config=RunConfig(
+            name=args.run,
+            storage_path=ray_results_path(),  # under CKVAL_HOME, next to ckval's files
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
         datasets={"train": dataset},
     )
     result = trainer.fit()
     print(f"training done: loss {result.metrics['loss']:.6f}")
     registry = Registry()
-    registry.wait(args.run, timeout_s=300)
+    registry.wait(args.run, timeout_s=300, progress=True)
     [(best, metrics)] = registry.best_checkpoints(args.run, "val_mse", mode="min", k=1)
     print(f"best checkpoint: loss {metrics['loss']:.6f} val_mse {metrics['val_mse']:.6f}")
     model = load_model(best)  # the stored model.keras, with the Keras that saved it

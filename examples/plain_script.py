@@ -40,7 +40,7 @@ def main():
                 validate_fn=validate_fn,
                 validate_config={"target": target},
             )
-    client.wait(timeout_s=300)
+    client.wait(timeout_s=300, progress=True)  # a live line of the validations
     [(best, metrics)] = client.registry.best_checkpoints(args.run, "error", mode="min", k=1)
     print(f"best checkpoint: step {metrics['step']} error {metrics['error']:.5f} at {best.path}")
 

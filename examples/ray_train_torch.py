@@ -7,6 +7,7 @@ report() comes from trainer_integration and takes a validate_fn.
 """
 
 import argparse
+import logging
 import os
 import tempfile
 
@@ -14,13 +15,13 @@ import numpy as np
 import ray.train
 import ray.train.torch
 import torch
-from ray.train import Checkpoint, RunConfig, ScalingConfig
+from ray.train import Checkpoint, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 
-from trainer_integration import report
+from trainer_integration import ray_results_path, report
 from validation_service import Registry
 
 
@@ -82,19 +83,34 @@ def main():
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--run", default="digits-example")
     args = parser.parse_args()
-    # On a laptop: a local Ray with room for 2 training workers and 2 validations.
-    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False)
+    # On a laptop: a local Ray with room for 2 training workers and 2 validations. Quiet:
+    # the driver logs Ray's warnings only, and the workers' and actors' output stays in
+    # Ray's log files (/tmp/ray/session_latest/logs) instead of this terminal; set
+    # log_to_driver=True to see what train_func prints.
+    ray.init(
+        num_cpus=max(4, os.cpu_count() or 1),
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+    )
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"lr": 0.01, "epochs": args.epochs},
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name=args.run),
+        run_config=RunConfig(
+            name=args.run,
+            # Ray Train's results next to ckval's, under CKVAL_HOME (not ~/ray_results).
+            storage_path=ray_results_path(),
+            # Ray Train logs each report and worker start at INFO: warnings only.
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
     )
     result = trainer.fit()
     print(f"training done: {len(result.best_checkpoints)} checkpoints in Ray's Result")
 
     registry = Registry()
-    registry.wait(args.run, timeout_s=300)
+    # A live line of the validations' progress; a warning names any that failed.
+    registry.wait(args.run, timeout_s=300, progress=True)
     for checkpoint, metrics in registry.best_checkpoints(args.run, "accuracy", "max", k=3):
         print(f"epoch {metrics['epoch']}: accuracy {metrics['accuracy']:.4f}  {checkpoint.path}")
 

@@ -21,17 +21,19 @@ def run(
     timeout: int = 420,
     with_stderr: bool = False,
     unset: tuple[str, ...] = (),
+    returncode: int = 0,
 ) -> str:
     """Runs a program from the repository root as a user would, with its own CKVAL_HOME.
 
     ckval's and Ray's variables of this test process are left out, and so are ``unset``.
+    The program must exit with ``returncode``.
     """
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("CKVAL_", "RAY_ADDRESS", *unset))
     }
     env.update(CKVAL_HOME=str(home), RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert done.returncode == returncode, done.stdout[-3000:] + done.stderr[-5000:]
     return done.stdout + done.stderr if with_stderr else done.stdout
 
 
@@ -49,11 +51,31 @@ def assert_quiet(output: str) -> None:
     assert noisy == [], "\n".join(noisy)
 
 
+def assert_line_budget(output: str, ours: tuple[str, ...], total: int, foreign: int = 3) -> None:
+    """At most ``total`` lines in all, of which at most ``foreign`` are not the program's
+    own (those starting with one of ``ours``): Ray's chatter stays out of the user's way."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    others = [line for line in lines if not line.startswith(ours)]
+    assert len(others) <= foreign, "lines not of the program:\n" + "\n".join(others)
+    assert len(lines) <= total, f"{len(lines)} lines:\n" + "\n".join(lines)
+
+
+def assert_under_home(home: Path, *folders: str) -> None:
+    """Ray Train's results went under CKVAL_HOME, not ~/ray_results."""
+    for folder in folders:
+        assert (home / "ray_results" / folder).is_dir(), sorted(os.listdir(home))
+
+
 def test_ckval_demo(tmp_path):
     ckval = str(Path(sys.executable).with_name("ckval"))
     out = run([ckval, "demo", "--epochs", "3", "--run", "demo-test"], tmp_path, with_stderr=True)
     assert_quiet(out)
     assert "top-3 checkpoints by validated accuracy" in out
+    # Progress while training and after: plain lines (the output is no terminal).
+    assert "ckval run 'demo-test': 3 reported, 0 queued, 0 running, 3 succeeded, 0 failed" in out
+    progress = [line for line in out.splitlines() if line.startswith("ckval run 'demo-test'")]
+    assert 1 <= len(progress) <= 8 and len(set(progress)) == len(progress)
+    assert_under_home(tmp_path, "demo-test")
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     records = registry.checkpoints("demo-test")
     assert [r.validation_status for r in records] == ["VALIDATED"] * 3
@@ -63,6 +85,21 @@ def test_ckval_demo(tmp_path):
         assert f"{record.metrics['accuracy']:.4g}" in out  # the CLI's 4 significant digits
 
 
+def test_ckval_demo_exits_non_zero_naming_a_failed_validation(tmp_path):
+    program = (
+        "from validation_service.demo import run_demo; "
+        "run_demo(epochs=2, run_name='demo-fails', fail_epochs={1})"
+    )
+    out = run([sys.executable, "-c", program], tmp_path, with_stderr=True, returncode=1)
+    registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
+    [validated, failed] = registry.validations("demo-fails")
+    assert (validated.status, failed.status) == ("SUCCEEDED", "FAILED")
+    said = f"ckval demo failed: 1 of 2 validation(s) of run 'demo-fails' failed (job {failed.id}"
+    assert said in out
+    assert f"`ckval job {failed.id}`" in out and "PermanentValidationError" in out
+    assert "top-3 checkpoints by validated accuracy" in out  # the results are still shown
+
+
 def test_example_ray_train_torch(tmp_path):
     out = run(
         [sys.executable, "examples/ray_train_torch.py", "--epochs", "2", "--run", "ex"],
@@ -70,6 +107,9 @@ def test_example_ray_train_torch(tmp_path):
         with_stderr=True,
     )
     assert_quiet(out)
+    # 1 "training done", at most ~4 progress lines, 2 results: a handful of Ray's at most.
+    assert_line_budget(out, ("training done:", "ckval run 'ex':", "epoch "), total=10)
+    assert_under_home(tmp_path, "ex")
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     best = registry.best_checkpoint_records("ex", "accuracy", "max", k=1)[0]
     assert f"accuracy {best.metrics['accuracy']:.4f}" in out

@@ -27,6 +27,7 @@ __all__ = [
     "CheckpointUploadMode",
     "Client",
     "ReportNotDelivered",
+    "ray_results_path",
     "report",
     "resolve_checkpoint",
     "start_run",
@@ -203,6 +204,15 @@ def resolve_checkpoint(checkpoint):
             return ray_checkpoint(json.load(f)["uri"], resolve_settings().storage_options)
 
 
+def ray_results_path() -> str:
+    """Where Ray Train keeps its results next to ckval's: ``CKVAL_HOME/ray_results``.
+
+    For ``RunConfig(storage_path=ray_results_path())``, so that every folder a program
+    using ckval writes is under one home (Ray's own default is ``~/ray_results``).
+    """
+    return str(resolve_settings().resolved_home() / "ray_results")
+
+
 def start_run(name: str, *, start_service: bool = True) -> Client:
     """Names the run that report() outside Ray Train records into; returns its Client.
 
@@ -270,10 +280,14 @@ class Client:
         """Waits for ASYNC uploads to be registered; raises if one failed."""
         self._reporter.flush(timeout_s)
 
-    def wait(self, timeout_s: float = 300.0) -> None:
-        """Waits for every validation of this run to finish."""
+    def wait(
+        self, timeout_s: float = 300.0, *, progress: bool = False, raise_on_failure: bool = False
+    ) -> None:
+        """Waits for every validation of this run to finish (see Registry.wait)."""
         self.flush(timeout_s)
-        self._reporter.registry.wait(self.run, timeout_s=timeout_s)
+        self._reporter.registry.wait(
+            self.run, timeout_s=timeout_s, progress=progress, raise_on_failure=raise_on_failure
+        )
 
 
 def _prepare(

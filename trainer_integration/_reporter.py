@@ -19,6 +19,7 @@ from typing import Any
 
 import cloudpickle
 
+from trainer_integration._trackers import TRACKERS_TAG, active_trackers
 from validation_service.config import Settings, get_settings
 from validation_service.errors import (
     CheckpointNotFound,
@@ -259,6 +260,10 @@ class RunReporter:
         self._pending: list[tuple[int, Future]] = []
         self._pending_lock = threading.Lock()
         self._trust: PayloadTrust | None = None
+        # The MLflow / W&B runs the training logs to, recorded in the run's tags so that
+        # the service's sinks log validated metrics there; None once recorded.
+        self._trackers_to_record: dict[str, Any] | None = None
+        self._trackers_seen: dict[str, Any] = {}
 
     @property
     def trust(self) -> PayloadTrust:
@@ -341,6 +346,7 @@ class RunReporter:
         metrics: dict[str, Any],
         job: ValidationRequest | None,
     ):
+        self._record_trackers()
         job = signed_request(job, self.trust)
         registration = self.registry.register_checkpoint(
             self.run_id,
@@ -373,6 +379,7 @@ class RunReporter:
         ASYNC returns at once: store_and_register(). Raises ReportNotDelivered first if
         an earlier report could not be delivered.
         """
+        self.note_trackers()
         job = signed_request(job, self.trust)  # refused before anything is copied
         if mode is CheckpointUploadMode.ASYNC:
             stored = self.store_and_register(metrics, checkpoint, job, delete_local=delete_local)
@@ -408,6 +415,7 @@ class RunReporter:
         """
         import pyarrow.fs
 
+        self.note_trackers()
         job = signed_request(job, self.trust)  # refused before anything is copied
         self.raise_undelivered()
         info = checkpoint.filesystem.get_file_info(checkpoint.path)
@@ -434,6 +442,22 @@ class RunReporter:
 
         registered = self._in_background(reserved, register)
         return StoredReport(reserved, stored, registered)
+
+    def note_trackers(self) -> None:
+        """Notes the tracker runs active in the calling thread (report()'s) for the run."""
+        trackers = active_trackers()
+        if trackers and trackers != self._trackers_seen:
+            with self._lock:
+                self._trackers_seen = trackers
+                self._trackers_to_record = trackers
+
+    def _record_trackers(self) -> None:
+        trackers = self._trackers_to_record
+        if trackers is not None:
+            self.registry.tag_run(self.run_id, {TRACKERS_TAG: trackers})
+            with self._lock:
+                if self._trackers_to_record is trackers:
+                    self._trackers_to_record = None
 
     def _reserve_index_patiently(self) -> int:
         """reserve_index(), retried with backoff while the registry is unreachable, for

@@ -144,6 +144,19 @@ class Settings(BaseSettings):
             return value or None
         return value
 
+    # Trackers that validated metrics are logged to: CKVAL_SINKS="mlflow,wandb" or a JSON
+    # list such as [{"kind": "mlflow", "tracking_uri": "sqlite:///mlflow.db"}] (see sinks/).
+    sinks: Annotated[list[dict[str, Any]], NoDecode] = Field(default_factory=list)
+    sink_attempts: int = 4
+    sink_backoff_s: float = 2.0
+
+    @field_validator("sinks", mode="before")
+    @classmethod
+    def _parse_sinks(cls, value: Any) -> list[dict[str, Any]]:
+        from validation_service.sinks import parse_sinks
+
+        return parse_sinks(value)
+
     def resolved_home(self) -> Path:
         return Path(os.path.expanduser(str(self.home)))
 

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import tempfile
+import threading
 import time
+import warnings
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+
+from validation_service.errors import (
+    PermanentValidationError,
+    ValidationsFailedWarning,
+    failed_validations_message,
+)
+from validation_service.jobs import JobStatus
+
+logger = logging.getLogger(__name__)
 
 HIDDEN = 64
 SPLIT_SEED = 0
@@ -68,7 +82,10 @@ def train_func(config: dict[str, Any]) -> None:
                     metrics,
                     checkpoint=ray.train.Checkpoint.from_directory(tmp),
                     validate_fn=validate_digits,
-                    validate_config={"batch_size": 256},
+                    validate_config={
+                        "batch_size": 256,
+                        "fail": epoch in config.get("fail_epochs", ()),
+                    },
                     validation_resources={"num_cpus": 1},
                 )
             else:
@@ -79,6 +96,10 @@ def validate_digits(checkpoint, config: dict[str, Any]) -> dict[str, float]:
     """Accuracy and loss on the held-out split, computed with torchmetrics."""
     import torchmetrics
 
+    if config.get("fail"):
+        raise PermanentValidationError(
+            "this epoch's validation was asked to fail (run_demo(fail_epochs=...))"
+        )
     _, x_val, _, y_val = load_digits_split()
     model = make_model()
     with checkpoint.as_directory() as directory:
@@ -121,12 +142,71 @@ def _top_checkpoints(registry, run_name: str) -> str:
     return render(["rank", "epoch", "accuracy", "val_loss", "train_loss", "checkpoint"], rows)
 
 
-def run_demo(epochs: int = 5, num_workers: int = 2, run_name: str | None = None) -> None:
+class TrainingProgress:
+    """Shows the run's validation counts while training goes on, from a daemon thread.
+
+    Polls the registry (the run exists once its first checkpoint is reported) and hands
+    the counts to a ProgressRenderer, which writes only when they change.
+    """
+
+    def __init__(self, registry, run_name: str, renderer, poll_s: float = 0.5):
+        self.registry = registry
+        self.run_name = run_name
+        self.renderer = renderer
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="ckval-demo-progress", daemon=True)
+
+    def __enter__(self) -> TrainingProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.renderer.close()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                if self.registry.find_run_id(self.run_name) is not None:
+                    self.renderer.update(self.run_name, self.registry.job_counts(self.run_name))
+            except Exception:  # noqa: BLE001 - progress is a courtesy; training goes on
+                logger.debug("reading the demo's progress failed", exc_info=True)
+
+
+def exit_message(registry, run_name: str, epochs: int) -> str | None:
+    """Why the demo fails (validations that failed, or too few validated), or None."""
+    from validation_service.registry.registry import failed_jobs
+
+    counts = registry.job_counts(run_name)
+    failed = failed_jobs(registry.validations(run_name))
+    if failed:
+        return failed_validations_message(run_name, failed, sum(counts.values()))
+    if counts.get(JobStatus.SUCCEEDED.value, 0) != epochs:
+        return f"expected {epochs} validated checkpoints, got {counts}"
+    return None
+
+
+def run_demo(
+    epochs: int = 5,
+    num_workers: int = 2,
+    run_name: str | None = None,
+    *,
+    fail_epochs: Collection[int] = (),
+) -> None:
+    """Trains, validates every epoch's checkpoint and prints the best; exits non-zero
+    (SystemExit naming the jobs) when a validation failed.
+
+    ``fail_epochs``: epochs whose validation raises on purpose, to see what a failed
+    validation looks like.
+    """
     import ray
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from validation_service.config import ckval_env, get_settings
+    from validation_service.progress import ProgressRenderer
     from validation_service.registry.registry import Registry
     from validation_service.secrets import mask_url
     from validation_service.service import ValidationService
@@ -139,28 +219,46 @@ def run_demo(epochs: int = 5, num_workers: int = 2, run_name: str | None = None)
     print(f"  storage:  {mask_url(settings.resolved_storage())}")
     if not ray.is_initialized():
         # Logical CPUs for 2 training workers plus concurrent validations, on any machine.
+        # Ray's own output stays out of the demo's: workers' and actors' lines are not
+        # forwarded, and the driver logs warnings only.
         ray.init(
             num_cpus=max(os.cpu_count() or 1, num_workers + 2),
             include_dashboard=False,
             log_to_driver=False,
+            logging_level=logging.WARNING,
             runtime_env={"env_vars": ckval_env()},
         )
     service = ValidationService.start(settings=settings)
+    registry = Registry(settings=settings)
+    renderer = ProgressRenderer(sys.stdout)
     started = time.perf_counter()
     trainer = TorchTrainer(
         train_func,
-        train_loop_config={"epochs": epochs, "lr": 0.1, "batch_size": 32},
+        train_loop_config={
+            "epochs": epochs,
+            "lr": 0.1,
+            "batch_size": 32,
+            "fail_epochs": sorted(fail_epochs),
+        },
         scaling_config=ScalingConfig(num_workers=num_workers),
-        run_config=RunConfig(name=run_name, storage_path=str(home / "ray_results")),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=str(home / "ray_results"),
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
     )
-    result = trainer.fit()
+    print(f"training {epochs} epochs on {num_workers} workers, validating every epoch...")
+    with TrainingProgress(registry, run_name, renderer):
+        result = trainer.fit()
     trained = time.perf_counter() - started
     print(
         f"training finished in {trained:.1f}s with {len(result.best_checkpoints)} "
         "checkpoints in Ray's Result; waiting for validations..."
     )
-    registry = Registry(settings=settings)
-    registry.wait(run_name, timeout_s=300)
+    with warnings.catch_warnings():
+        # exit_message() below says which validations failed, and the demo exits non-zero.
+        warnings.simplefilter("ignore", ValidationsFailedWarning)
+        registry.wait(run_name, timeout_s=300, progress=renderer)
     waited = time.perf_counter() - started - trained
     print(f"all validations done {waited:.1f}s after training ended\n")
     print("top-3 checkpoints by validated accuracy:")
@@ -170,5 +268,6 @@ def run_demo(epochs: int = 5, num_workers: int = 2, run_name: str | None = None)
     print(f"try: ckval best {run_name} --metric accuracy -k 3")
     status = service.status()
     print(f"service {status['owner']}: {status['finished']} validations finished")
-    if counts.get("SUCCEEDED", 0) != epochs:
-        raise SystemExit(f"expected {epochs} validated checkpoints, got {counts}")
+    message = exit_message(registry, run_name, epochs)
+    if message is not None:
+        raise SystemExit(f"ckval demo failed: {message}")

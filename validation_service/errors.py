@@ -296,3 +296,36 @@ class SecretsUnavailable(CkvalError, RuntimeError):
             "service from the driver before training (ValidationService.start()), or set "
             "those variables on every Ray node (deploy/ does)."
         )
+
+
+class ValidationsFailedWarning(UserWarning):
+    """Registry.wait() found validations of the run that FAILED or TIMED_OUT."""
+
+
+class ValidationsFailed(CkvalError):
+    """Validations of a run ended FAILED or TIMED_OUT (``wait(..., raise_on_failure=True)``).
+
+    ``failed`` maps each job id to a one-line reason (its status and error); ``total`` is
+    how many validations the run has.
+    """
+
+    def __init__(self, run: str, failed: dict[int, str] | None = None, total: int | None = None):
+        self.run = run
+        self.failed = dict(failed or {})
+        self.job_ids = sorted(self.failed)
+        self.total = len(self.failed) if total is None else total
+        super().__init__(failed_validations_message(run, self.failed, self.total))
+
+
+def failed_validations_message(run: str, failed: dict[int, str], total: int) -> str:
+    """What ValidationsFailed and ValidationsFailedWarning say: which jobs, why, what next."""
+    if not failed:
+        return f"Validations of run {run!r} failed. List them with `ckval jobs {run}`."
+    shown = sorted(failed)[:10]
+    lines = "; ".join(f"job {job_id}: {failed[job_id]}" for job_id in shown)
+    more = f"; and {len(failed) - len(shown)} more" if len(failed) > len(shown) else ""
+    return (
+        f"{len(failed)} of {total} validation(s) of run {run!r} failed ({lines}{more}). "
+        f"See `ckval job {shown[0]}` for the traceback; after fixing the cause, run them "
+        f"again with `ckval retry --failed --run {run}`."
+    )

@@ -20,6 +20,7 @@ from validation_service.executors import AttemptHandle, Executor, default_execut
 from validation_service.registry.records import ClaimedJob, JobOutcome
 from validation_service.registry.registry import Registry
 from validation_service.retry import RetryPolicy
+from validation_service.sinks import SinkDispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class Scheduler:
             "recovered": 0,
             "ticks": 0,
         }
+        # Logs SUCCEEDED jobs' metrics to the configured trackers (MLflow, W&B), off the loop.
+        self.sinks = SinkDispatcher.from_settings(settings, registry, self.stats)
 
     # ------------------------------------------------------------- controls
     def wake(self) -> None:
@@ -115,6 +118,7 @@ class Scheduler:
                 self._stop.wait(COALESCE_S)
             self._wake.clear()
         self._cancel_all()
+        self.sinks.close()
         logger.info("scheduler %s stopped", self.owner)
 
     # ----------------------------------------------------------------- loop
@@ -199,16 +203,16 @@ class Scheduler:
             # The database refuses this outcome (say, a value its column cannot hold):
             # recording it again would give the same answer, so the job fails with why.
             logger.error("job %s: its outcome could not be recorded: %s", job.job_id, exc)
-            finished = self._record(
-                job,
-                JobOutcome(
-                    succeeded=False,
-                    error_type="RegistryRejected",
-                    error_message=f"the registry refused this attempt's outcome: {exc}",
-                    retryable=False,
-                ),
+            outcome = JobOutcome(
+                succeeded=False,
+                error_type="RegistryRejected",
+                error_message=f"the registry refused this attempt's outcome: {exc}",
+                retryable=False,
             )
+            finished = self._record(job, outcome)
         self.stats["finished" if finished else "stale"] += 1
+        if finished and outcome.succeeded:
+            self.sinks.submit(job)
 
     def _record(self, job: ClaimedJob, outcome: JobOutcome) -> bool:
         return self.registry.finish_job(

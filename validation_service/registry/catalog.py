@@ -54,6 +54,21 @@ class Catalog:
                 continue  # another reporter created it first
         raise RuntimeError(f"could not create or find run {name!r}")
 
+    def run_tags(self, name: str, namespace: str | None = None) -> dict[str, Any]:
+        """The tags of the named run ({} when there is no such run)."""
+        query = select(Run.tags).where(
+            Run.namespace == (namespace or self.namespace), Run.name == name
+        )
+        with self.db.read() as session:
+            return dict(session.scalar(query) or {})
+
+    def merge_run_tags(self, run_id: int, tags: dict[str, Any]) -> None:
+        """Sets these tags of the run, keeping its others (one write transaction)."""
+        with self.db.write() as conn:
+            current = conn.execute(select(_runs.c.tags).where(_runs.c.id == run_id)).scalar_one()
+            merged = {**(current or {}), **tags}
+            conn.execute(update(_runs).where(_runs.c.id == run_id).values(tags=merged))
+
     def find_run_id(self, name: str) -> int | None:
         check_run_name(name)
         with self.db.read() as session:

@@ -26,10 +26,14 @@ from validation_service.errors import (
     ReportIndexTaken,
     RetryLimitReached,
     UnknownMetric,
+    ValidationsFailed,
+    ValidationsFailedWarning,
+    failed_validations_message,
 )
-from validation_service.jobs import JobStatus, ValidationStatus
+from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus, ValidationStatus
 from validation_service.metrics import lower_is_better, normalize_metrics
 from validation_service.names import check_name
+from validation_service.progress import ProgressRenderer
 from validation_service.registry import transitions
 from validation_service.registry.catalog import Catalog, Mode, checkpoint_row
 from validation_service.registry.database import Database, retry_on_disconnect
@@ -51,6 +55,8 @@ from validation_service.retry import AttemptBudget, RetryPolicy
 logger = logging.getLogger(__name__)
 
 RETRYABLE_STATUSES = (JobStatus.FAILED, JobStatus.TIMED_OUT, JobStatus.CANCELLED)
+# What wait() reports as failed validations (a CANCELLED job was stopped on purpose).
+FAILED_STATUSES = (JobStatus.FAILED, JobStatus.TIMED_OUT)
 
 
 class Registry:
@@ -115,6 +121,16 @@ class Registry:
     def find_run_id(self, name: str) -> int | None:
         """The id of the named run in this namespace, or None; writes nothing."""
         return self.catalog.find_run_id(name)
+
+    @retry_on_disconnect
+    def run_tags(self, name: str, namespace: str | None = None) -> dict[str, Any]:
+        """The tags of the named run (of this namespace, or of ``namespace``); {} if none."""
+        return self.catalog.run_tags(name, namespace)
+
+    @retry_on_disconnect
+    def tag_run(self, run_id: int, tags: dict[str, Any]) -> None:
+        """Sets these tags of the run, keeping its others."""
+        self.catalog.merge_run_tags(run_id, tags)
 
     @retry_on_disconnect
     def runs(self) -> list[RunRecord]:
@@ -318,22 +334,53 @@ class Registry:
             run_id = None if run is None else self.catalog.require_run_id(session, run)
             return self.queue.job_counts(session, run_id)
 
-    def wait(self, run: str, timeout_s: float = 300.0, poll_s: float = 0.05) -> None:
-        """Returns when no job of the run is QUEUED or RUNNING; raises TimeoutError otherwise."""
+    def wait(
+        self,
+        run: str,
+        timeout_s: float = 300.0,
+        poll_s: float = 0.05,
+        *,
+        progress: bool | ProgressRenderer = False,
+        raise_on_failure: bool = False,
+    ) -> None:
+        """Returns when no job of the run is QUEUED or RUNNING; raises TimeoutError otherwise.
+
+        ``progress=True`` shows a live line of the run's counts on standard error (or pass
+        a ProgressRenderer). Validations that ended FAILED or TIMED_OUT are named in a
+        ValidationsFailedWarning, or raised as ValidationsFailed with ``raise_on_failure``.
+        """
         deadline = time.monotonic() + timeout_s
+        renderer = ProgressRenderer() if progress is True else progress or None
         with self.db.read() as session:
             run_id = self.catalog.require_run_id(session, run)
-        while True:
-            with self.db.read() as session:
-                active = self.queue.active_count(session, run_id)
-            if not active:
-                return
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"{active} validation(s) of run {run!r} still QUEUED or RUNNING after "
-                    f"{timeout_s:g}s. Is the service running? (`ckval status`)"
-                )
-            time.sleep(poll_s)
+        try:
+            while True:
+                with self.db.read() as session:
+                    counts = self.queue.job_counts(session, run_id)
+                if renderer is not None:
+                    renderer.update(run, counts)
+                active = sum(counts.get(s.value, 0) for s in ACTIVE_JOB_STATUSES)
+                if not active:
+                    break
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"{active} validation(s) of run {run!r} still QUEUED or RUNNING after "
+                        f"{timeout_s:g}s. Is the service running? (`ckval status`)"
+                    )
+                time.sleep(poll_s)
+        finally:
+            if renderer is not None:
+                renderer.close()
+        if any(counts.get(s.value, 0) for s in FAILED_STATUSES):
+            failed = failed_jobs(self.validations(run))
+            if raise_on_failure:
+                raise ValidationsFailed(run, failed, sum(counts.values()))
+            warnings.warn(
+                ValidationsFailedWarning(
+                    failed_validations_message(run, failed, sum(counts.values()))
+                ),
+                stacklevel=2,
+            )
 
     @retry_on_disconnect
     def due_pools(self, now: dt.datetime | None = None) -> list[str]:
@@ -575,3 +622,15 @@ def _checked_metrics(outcome: JobOutcome) -> tuple[dict[str, Any] | None, JobOut
             timed_out=False,
         )
         return None, failed
+
+
+def failed_jobs(jobs: Iterable[JobRecord]) -> dict[int, str]:
+    """Job id -> "STATUS: error" for the jobs that ended FAILED or TIMED_OUT."""
+    failed = {}
+    for job in jobs:
+        if job.status in {s.value for s in FAILED_STATUSES}:
+            error = f"{job.error_type or 'error'}: {job.error_message or 'no message'}"
+            first_line = error.strip().splitlines()[0]
+            reason = f"report {job.report_index}, {job.status}, {first_line}"
+            failed[job.id] = reason if len(reason) <= 160 else reason[:157] + "..."
+    return failed
