@@ -15,12 +15,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
 from ray.train import Checkpoint
 
 from trainer_integration import Client
 from validation_service.config import Settings
-from validation_service.errors import InvalidInput
+from validation_service.errors import InvalidInput, InvalidSettings
 from validation_service.registry.registry import Registry
 from validation_service.scheduler import Scheduler
 from validation_service.sinks import parse_sinks
@@ -54,7 +53,7 @@ def test_sinks_from_the_environment_as_json(monkeypatch):
 
 
 def test_unknown_sink_kind_is_refused():
-    with pytest.raises(ValidationError, match="unknown sink kind 'tensorboard'"):
+    with pytest.raises(InvalidSettings, match="CKVAL_SINKS.* unknown sink kind 'tensorboard'"):
         Settings(sinks="mlflow,tensorboard")
 
 
@@ -65,7 +64,7 @@ def test_unknown_sink_option_is_refused():
 
 def test_sinks_json_that_does_not_parse_is_refused(monkeypatch):
     monkeypatch.setenv("CKVAL_SINKS", '[{"kind": "mlflow",]')
-    with pytest.raises(ValidationError, match="CKVAL_SINKS is not valid JSON"):
+    with pytest.raises(InvalidSettings, match="CKVAL_SINKS is not valid JSON"):
         Settings()
 
 
