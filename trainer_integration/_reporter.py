@@ -221,7 +221,10 @@ class RunReporter:
         self._lock = threading.Lock()
         # The run is created by its first registered checkpoint (or by ensure_run()):
         # setting a reporter up writes nothing.
-        self._run_id = self.registry.find_run_id(run)
+        # The attempt reports go on in: an ended run gets a new attempt at its first
+        # report (unless CKVAL_APPEND), a running one (restarted workers) goes on.
+        self._run_id = self.registry.current_run_id(run, append=self.settings.append)
+        self._storage_run: str | None = None
         self._next_index = (
             0 if self._run_id is None else self.registry.next_report_index(self._run_id)
         )
@@ -243,9 +246,17 @@ class RunReporter:
             with self._lock:
                 if self._run_id is None:
                     self._run_id = self.registry.ensure_run(
-                        self.run, storage_root=self.storage.root_uri
+                        self.run, storage_root=self.storage.root_uri, append=self.settings.append
                     )
         return self._run_id
+
+    def storage_run(self) -> str:
+        """The run's folder in storage: its name, with "attempt-N" below it for a later
+        attempt (whose report indices start at 0 again)."""
+        if self._storage_run is None:
+            attempt = self.registry.attempt_of(self.run_id)
+            self._storage_run = self.run if attempt == 1 else f"{self.run}/attempt-{attempt}"
+        return self._storage_run
 
     def prepare(self) -> None:
         """Gets ready for a first report while training starts; writes nothing.
@@ -273,11 +284,12 @@ class RunReporter:
         if mode is CheckpointUploadMode.NO_UPLOAD:
             uri = checkpoint.path if _is_local(checkpoint) else _uri_of(checkpoint)
             return self.storage.adopt(uri)
+        run = self.storage_run()
         if _is_local(checkpoint):
-            return self.storage.upload(checkpoint.path, self.settings.namespace, self.run, index)
+            return self.storage.upload(checkpoint.path, self.settings.namespace, run, index)
         with tempfile.TemporaryDirectory(prefix="ckval-upload-") as tmp:
             local = checkpoint.to_directory(tmp)
-            return self.storage.upload(local, self.settings.namespace, self.run, index)
+            return self.storage.upload(local, self.settings.namespace, run, index)
 
     def register(
         self,
@@ -370,7 +382,7 @@ class RunReporter:
 
     def _upload_uri(self, index: int) -> str:
         """Where an upload of this report goes (known before it starts)."""
-        path = self.storage.checkpoint_path(self.settings.namespace, self.run, index)
+        path = self.storage.checkpoint_path(self.settings.namespace, self.storage_run(), index)
         return self.storage.uri_for(path)
 
     def _register_or_deliver(

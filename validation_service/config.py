@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     http_host: str = "127.0.0.1"
     http_port: int = 8780
 
+    # Run attempts: a run name reused after the run ended keeps adding to its last attempt.
+    append: bool = False
+
     def resolved_home(self) -> Path:
         return Path(os.path.expanduser(str(self.home)))
 

@@ -134,3 +134,27 @@ def _registry_unavailable(database: str, orig, connection_invalidated: bool):
     error = RegistryUnavailable(database, orig)
     error.connection_invalidated = connection_invalidated
     return error
+
+
+class AliasNotFound(CkvalError, LookupError):
+    def __init__(self, run: str, alias: str, known: list[str]):
+        self.run = run
+        self.alias = alias
+        shown = ", ".join(known) if known else "none"
+        super().__init__(
+            f"Run {run!r} has no alias {alias!r} (its aliases: {shown}). Set one with "
+            f"registry.set_alias({run!r}, {alias!r}, report_index) or `ckval alias`."
+        )
+
+
+class InvalidSearch(CkvalError, ValueError):
+    """A search filter or order_by that does not parse; says where and what was expected."""
+
+    def __init__(self, text: str, position: int, expected: str):
+        self.text = text
+        self.position = position
+        self.expected = expected
+        pointer = " " * position + "^"
+        super().__init__(
+            f"Invalid search at position {position}: expected {expected}.\n  {text}\n  {pointer}"
+        )
