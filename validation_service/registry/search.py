@@ -108,10 +108,14 @@ def tokenize(text: str) -> list[Token]:
     while position < len(text):
         match = _TOKEN.match(text, position)
         if match is None:
-            what = "a quote that is closed" if text[position] in "'\"`" else "a name, "
-            if what == "a name, ":
-                what += "a number, a quoted string or an operator (= != > >= < <=)"
-            raise InvalidSearch(text, position, what)
+            if text[position] in "'\"`":
+                raise InvalidSearch(text, position, "a quote that is closed")
+            raise InvalidSearch(
+                text,
+                position,
+                f"a name, a number, a quoted string or an operator, found {text[position]!r} "
+                "(quote names with dots or dashes in backticks: metrics.`val-loss`)",
+            )
         kind = match.lastgroup
         if kind != "space":
             tokens.append(Token(kind, match.group(), position))
