@@ -221,13 +221,14 @@ class RunReporter:
         self._lock = threading.Lock()
         # The run is created by its first registered checkpoint (or by ensure_run()):
         # setting a reporter up writes nothing.
-        # The attempt reports go on in: an ended run gets a new attempt at its first
-        # report (unless CKVAL_APPEND), a running one (restarted workers) goes on.
-        self._run_id = self.registry.current_run_id(run, append=self.settings.append)
-        self._storage_run: str | None = None
-        self._next_index = (
-            0 if self._run_id is None else self.registry.next_report_index(self._run_id)
+        # A RUNNING run (restarted workers) goes on; an ended one gets a new attempt at
+        # its first report, or with CKVAL_APPEND is reopened then and continued.
+        self._run_id = self.registry.current_run_id(run)
+        continued = (
+            self.registry.current_run_id(run, append=True) if self.settings.append else self._run_id
         )
+        self._storage_run: str | None = None
+        self._next_index = 0 if continued is None else self.registry.next_report_index(continued)
         self._start_service = start_service
         self._service = None
         self._nudger: _Nudger | None = None
