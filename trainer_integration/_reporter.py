@@ -227,7 +227,11 @@ class RunReporter:
         continued = (
             self.registry.current_run_id(run, append=True) if self.settings.append else self._run_id
         )
-        self._storage_run: str | None = None
+        # The run's folder in storage: its name, with "attempt-N" below it for a later
+        # attempt (whose report indices start at 0 again). Known before the run exists:
+        # the run is created by its first registered checkpoint.
+        attempt = self.registry.next_attempt(run, append=self.settings.append)
+        self.storage_run = run if attempt == 1 else f"{run}/attempt-{attempt}"
         self._next_index = 0 if continued is None else self.registry.next_report_index(continued)
         self._start_service = start_service
         self._service = None
@@ -250,14 +254,6 @@ class RunReporter:
                         self.run, storage_root=self.storage.root_uri, append=self.settings.append
                     )
         return self._run_id
-
-    def storage_run(self) -> str:
-        """The run's folder in storage: its name, with "attempt-N" below it for a later
-        attempt (whose report indices start at 0 again)."""
-        if self._storage_run is None:
-            attempt = self.registry.attempt_of(self.run_id)
-            self._storage_run = self.run if attempt == 1 else f"{self.run}/attempt-{attempt}"
-        return self._storage_run
 
     def prepare(self) -> None:
         """Gets ready for a first report while training starts; writes nothing.
@@ -285,7 +281,7 @@ class RunReporter:
         if mode is CheckpointUploadMode.NO_UPLOAD:
             uri = checkpoint.path if _is_local(checkpoint) else _uri_of(checkpoint)
             return self.storage.adopt(uri)
-        run = self.storage_run()
+        run = self.storage_run
         if _is_local(checkpoint):
             return self.storage.upload(checkpoint.path, self.settings.namespace, run, index)
         with tempfile.TemporaryDirectory(prefix="ckval-upload-") as tmp:
@@ -383,7 +379,7 @@ class RunReporter:
 
     def _upload_uri(self, index: int) -> str:
         """Where an upload of this report goes (known before it starts)."""
-        path = self.storage.checkpoint_path(self.settings.namespace, self.storage_run(), index)
+        path = self.storage.checkpoint_path(self.settings.namespace, self.storage_run, index)
         return self.storage.uri_for(path)
 
     def _register_or_deliver(

@@ -154,7 +154,7 @@ class InvalidSearch(CkvalError, ValueError):
         self.text = text
         self.position = position
         self.expected = expected
-        pointer = " " * position + "^"
+        pointer = " " * position + "^" if isinstance(position, int) else ""
         super().__init__(
             f"Invalid search at position {position}: expected {expected}.\n  {text}\n  {pointer}"
         )

@@ -106,12 +106,16 @@ class Catalog:
             return None
         return latest.id
 
-    def attempt_of(self, run_id: int) -> int:
+    def next_attempt(self, name: str, *, append: bool) -> int:
+        """The attempt number ensure_run(name, append=append) would return now."""
+        check_run_name(name)
         with self.db.read() as session:
-            attempt = session.scalar(select(Run.attempt).where(Run.id == run_id))
-        if attempt is None:
-            raise InvalidInput(f"no run with id {run_id} in this registry")
-        return attempt
+            latest = session.execute(self._latest_attempt_query(name)).first()
+        if latest is None:
+            return 1
+        if latest.status == RunStatus.RUNNING.value or append:
+            return latest.attempt
+        return latest.attempt + 1
 
     def finish_run(self, name: str, status: RunStatus, attempt: int | None) -> bool:
         """Ends the run's latest attempt (or ``attempt``) if RUNNING; False if it was not."""

@@ -130,9 +130,9 @@ class Registry:
             return [run for run in self.catalog.runs(session) if run.name == name]
 
     @retry_on_disconnect
-    def attempt_of(self, run_id: int) -> int:
-        """Which attempt of its run a run id is (1 for the first)."""
-        return self.catalog.attempt_of(run_id)
+    def next_attempt(self, name: str, *, append: bool = False) -> int:
+        """The attempt the run's next report goes to (1 for a new run); writes nothing."""
+        return self.catalog.next_attempt(name, append=append)
 
     @retry_on_disconnect
     def finish_run(
