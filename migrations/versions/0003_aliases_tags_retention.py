@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0003"
-down_revision = "0001"
+down_revision = "0001"  # "0002" once the report-index counter revision is merged
 branch_labels = None
 depends_on = None
 
