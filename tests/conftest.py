@@ -99,7 +99,8 @@ def registry(request, tmp_path):
     with reg.engine.begin() as conn:
         # Each test starts from an empty queue (the database lives for the session).
         conn.exec_driver_sql(
-            "TRUNCATE runs, checkpoints, metric_values, validation_jobs, validation_attempts "
+            "TRUNCATE runs, checkpoints, metric_values, validation_jobs, validation_attempts, "
+            "checkpoint_aliases, tracked_aliases, checkpoint_tags, retention_policies "
             "RESTART IDENTITY CASCADE"
         )
     yield reg

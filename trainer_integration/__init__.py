@@ -27,6 +27,7 @@ __all__ = [
     "CheckpointUploadMode",
     "Client",
     "ReportNotDelivered",
+    "RunStatusCallback",
     "ray_results_path",
     "report",
     "resolve_checkpoint",
@@ -34,6 +35,18 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def __getattr__(name: str):
+    # RunStatusCallback subclasses a Ray Train class: importing it imports Ray Train,
+    # which training code that only reports need not pay for.
+    if name == "RunStatusCallback":
+        from trainer_integration.run_status import RunStatusCallback
+
+        return RunStatusCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 _reporters: dict[str, RunReporter] = {}
 _reporters_lock = threading.Lock()
 _current_run: str | None = None
@@ -213,26 +226,66 @@ def ray_results_path() -> str:
     return str(resolve_settings().resolved_home() / "ray_results")
 
 
-def start_run(name: str, *, start_service: bool = True) -> Client:
+def start_run(name: str, *, start_service: bool = True, append: bool = False) -> Client:
     """Names the run that report() outside Ray Train records into; returns its Client.
 
     ``start_service=False`` never connects to Ray from this process: the service, running
     elsewhere, finds the reported validations by polling the registry (within
     CKVAL_POLL_INTERVAL_S). For processes that have no Ray of their own (Dask workers).
+    A name whose run ended starts a new attempt, unless ``append`` (see Client). Use the
+    Client as a context manager, or close() it, to mark the run FINISHED (FAILED on an
+    exception).
     """
     global _current_run
-    client = Client(name, start_service=start_service)
+    client = Client(name, start_service=start_service, append=append)
     _current_run = name
     return client
 
 
 class Client:
-    """Reports checkpoints of one run from any Python process (no Ray Train needed)."""
+    """Reports checkpoints of one run from any Python process (no Ray Train needed).
 
-    def __init__(self, run: str, settings=None, *, start_service: bool = True):
+    The run is RUNNING until close() (or the end of a ``with Client(...)`` block) marks it
+    FINISHED, or FAILED when the block raised. A run name used again after its run ended
+    starts a new attempt (report indices from 0; best_checkpoints and latest_checkpoint
+    read the latest attempt); ``append=True`` keeps adding to the last attempt instead.
+    """
+
+    def __init__(
+        self, run: str, settings=None, *, start_service: bool = True, append: bool = False
+    ):
         self.run = run
+        settings = settings or resolve_settings()
+        if append and not settings.append:
+            settings = settings.model_copy(update={"append": True})
         self._reporter = _reporter(run, settings, start_service=start_service)
         self._reporter.ensure_run()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failed=exc_type is not None)
+
+    def close(self, *, failed: bool = False) -> None:
+        """Delivers what is pending and ends the run: FINISHED, or FAILED when ``failed``
+        or when a report could not be delivered (which is raised)."""
+        global _current_run
+        from validation_service.jobs import RunStatus
+
+        try:
+            self.flush()
+        except Exception:
+            failed = True
+            raise
+        finally:
+            status = RunStatus.FAILED if failed else RunStatus.FINISHED
+            self._reporter.registry.finish_run(self.run, status)
+            with _reporters_lock:
+                if _reporters.get(self.run) is self._reporter:
+                    del _reporters[self.run]  # the next Client of this name starts afresh
+            if _current_run == self.run:
+                _current_run = None
 
     @property
     def registry(self):

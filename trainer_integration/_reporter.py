@@ -248,9 +248,14 @@ class RunReporter:
             self.settings.resolved_storage(), self.settings.storage_options
         )
         self._lock = threading.Lock()
-        # The run is created by its first report's index reservation (or by
-        # ensure_run()): setting a reporter up writes nothing.
-        self._run_id = self.registry.find_run_id(run)
+        # The run is created by its first report's index reservation (or by ensure_run()):
+        # setting a reporter up writes nothing. A RUNNING run (restarted workers) goes on;
+        # an ended one gets a new attempt at its first report, or with CKVAL_APPEND is
+        # reopened then and continued.
+        self._run_id = self.registry.current_run_id(run)
+        # A later attempt (its report indices start at 0 again) has its own folder in
+        # storage, "<run>/attempt-N": known before the run's attempt exists.
+        self.attempt = self.registry.next_attempt(run, append=self.settings.append)
         self._start_service = start_service
         self._service = None
         self._nudger: _Nudger | None = None
@@ -282,7 +287,7 @@ class RunReporter:
             with self._lock:
                 if self._run_id is None:
                     self._run_id = self.registry.ensure_run(
-                        self.run, storage_root=self.storage.root_uri
+                        self.run, storage_root=self.storage.root_uri, append=self.settings.append
                     )
         return self._run_id
 
@@ -334,10 +339,12 @@ class RunReporter:
             return self.adopt(checkpoint)
         namespace = self.settings.namespace
         if _is_local(checkpoint):
-            return self.storage.upload(source or checkpoint.path, namespace, self.run, index)
+            return self.storage.upload(
+                source or checkpoint.path, namespace, self.run, index, attempt=self.attempt
+            )
         with tempfile.TemporaryDirectory(prefix="ckval-upload-") as tmp:
             local = checkpoint.to_directory(tmp)
-            return self.storage.upload(local, namespace, self.run, index)
+            return self.storage.upload(local, namespace, self.run, index, attempt=self.attempt)
 
     def register(
         self,
@@ -484,7 +491,9 @@ class RunReporter:
 
     def _upload_uri(self, index: int) -> str:
         """Where an upload of this report goes (known before it starts)."""
-        path = self.storage.checkpoint_path(self.settings.namespace, self.run, index)
+        path = self.storage.checkpoint_path(
+            self.settings.namespace, self.run, index, attempt=self.attempt
+        )
         return self.storage.uri_for(path)
 
     def _register_or_deliver(

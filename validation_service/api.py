@@ -152,6 +152,10 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     _add_query_routes(app, registry, settings)
     _add_job_routes(app, registry, settings)
     _add_service_route(app, settings)
+    # Aliases, tags, search, retention (dry run) and run status.
+    from validation_service.api_registry import registry_router
+
+    app.include_router(registry_router(registry, settings))
     return app
 
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from validation_service.cli_registry import COMMANDS as REGISTRY_COMMANDS
+from validation_service.cli_registry import run_rows, status_option
 from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus
 
 if TYPE_CHECKING:
@@ -129,27 +131,19 @@ def demo(epochs: int, workers: int, run_name: str | None) -> None:
 
 # ------------------------------------------------------------------ registry listings
 @main.command()
+@status_option
 @_json_option
 @click.pass_context
-def runs(ctx: click.Context, as_json: bool) -> None:
-    """List runs with their checkpoint and validation counts."""
-    summaries = _registry(ctx).run_summaries()
+def runs(ctx: click.Context, status: str | None, as_json: bool) -> None:
+    """List runs (each attempt of a run name) with their checkpoint and validation counts."""
+    summaries = _registry(ctx).run_summaries(status=status)
     if as_json:
         from validation_service.views import run_json
 
         _echo_json([run_json(summary) for summary in summaries])
         return
-    rows = [
-        [
-            summary.run.name,
-            summary.run.status,
-            summary.run.created_at,
-            summary.checkpoints,
-            dict(sorted(summary.job_counts.items())),
-        ]
-        for summary in summaries
-    ]
-    click.echo(_render(["run", "status", "created", "checkpoints", "validations"], rows))
+    headers, rows = run_rows(summaries)
+    click.echo(_render(headers, rows))
 
 
 @main.command()
@@ -687,6 +681,9 @@ def stop(ctx: click.Context) -> None:
     handle.stop()
     click.echo(f"stopped the ckval service {handle.settings.service_name!r}")
 
+
+for _command in REGISTRY_COMMANDS:
+    main.add_command(_command)
 
 if __name__ == "__main__":
     main()

@@ -157,6 +157,9 @@ class Settings(BaseSettings):
 
         return parse_sinks(value)
 
+    # Run attempts: a run name reused after the run ended keeps adding to its last attempt.
+    append: bool = False
+
     def resolved_home(self) -> Path:
         return Path(os.path.expanduser(str(self.home)))
 

@@ -329,3 +329,27 @@ def failed_validations_message(run: str, failed: dict[int, str], total: int) -> 
         f"See `ckval job {shown[0]}` for the traceback; after fixing the cause, run them "
         f"again with `ckval retry --failed --run {run}`."
     )
+
+
+class AliasNotFound(CkvalError, LookupError):
+    def __init__(self, run: str, alias: str, known: list[str]):
+        self.run = run
+        self.alias = alias
+        shown = ", ".join(known) if known else "none"
+        super().__init__(
+            f"Run {run!r} has no alias {alias!r} (its aliases: {shown}). Set one with "
+            f"registry.set_alias({run!r}, {alias!r}, report_index) or `ckval alias`."
+        )
+
+
+class InvalidSearch(CkvalError, ValueError):
+    """A search filter or order_by that does not parse; says where and what was expected."""
+
+    def __init__(self, text: str, position: int, expected: str):
+        self.text = text
+        self.position = position
+        self.expected = expected
+        pointer = " " * position + "^" if isinstance(position, int) else ""
+        super().__init__(
+            f"Invalid search at position {position}: expected {expected}.\n  {text}\n  {pointer}"
+        )

@@ -122,8 +122,12 @@ class CheckpointStorage:
         return f"CheckpointStorage({self.root_uri!r})"
 
     # ------------------------------------------------------------------ paths
-    def checkpoint_path(self, namespace: str, run: str, report_index: int) -> str:
-        """Where the report ``report_index`` of a run is stored, checked to be in the root.
+    def checkpoint_path(
+        self, namespace: str, run: str, report_index: int, *, attempt: int = 1
+    ) -> str:
+        """Where the report ``report_index`` of a run is stored, checked to be in the root:
+        ``<root>/<namespace>/<run>/checkpoint_<index>``, with ``attempt-<N>/`` before the
+        last part for a later attempt of the run (whose report indices start at 0 again).
 
         Raises InvalidInput for a namespace or run name that is no plain folder name
         (names.check_name), before anything is written.
@@ -132,7 +136,12 @@ class CheckpointStorage:
         check_name("run name", run)
         if not isinstance(report_index, int) or isinstance(report_index, bool) or report_index < 0:
             raise InvalidInput(f"report index must be an int >= 0, got {report_index!r}")
-        path = posixpath.join(self.root, namespace, run, f"checkpoint_{report_index:06d}")
+        if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 1:
+            raise InvalidInput(f"run attempt must be an int >= 1, got {attempt!r}")
+        folder = posixpath.join(self.root, namespace, run)
+        if attempt > 1:
+            folder = posixpath.join(folder, f"attempt-{attempt}")
+        path = posixpath.join(folder, f"checkpoint_{report_index:06d}")
         return self._inside_root(path, path)
 
     def uri_for(self, path: str) -> str:
@@ -200,12 +209,14 @@ class CheckpointStorage:
         namespace: str,
         run: str,
         report_index: int,
+        *,
+        attempt: int = 1,
     ) -> PersistedCheckpoint:
         """Copies a local checkpoint folder (or its scan()) into storage, hashing as it copies.
 
         Never overwrites: a folder already at the destination raises CheckpointExists.
         """
-        dest = self.checkpoint_path(namespace, run, report_index)
+        dest = self.checkpoint_path(namespace, run, report_index, attempt=attempt)
         folder = local_dir if isinstance(local_dir, CheckpointFolder) else self.scan(local_dir)
         files: dict[str, dict[str, Any]] = {}
         if self.is_local:

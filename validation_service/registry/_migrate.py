@@ -9,10 +9,12 @@ plain enough to read that way.
 from __future__ import annotations
 
 import ast
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Engine, column, inspect, select, table
+from sqlalchemy import Connection, Engine, column, inspect, select, table
 
 from validation_service.registry._engine import WRITE_OPTION, schema_lock
 
@@ -114,18 +116,47 @@ def current_revision(engine: Engine) -> str | None:
 def upgrade(engine: Engine, url: str, revision: str = "head") -> None:
     from alembic import command
 
-    with schema_lock(url):
-        config = alembic_config(url)
-        with engine.execution_options(**{WRITE_OPTION: True}).begin() as connection:
-            config.attributes["connection"] = connection
-            command.upgrade(config, revision)
+    _migrate(engine, url, command.upgrade, revision)
 
 
 def downgrade(engine: Engine, url: str, revision: str) -> None:
     from alembic import command
 
+    _migrate(engine, url, command.downgrade, revision)
+
+
+def _migrate(engine: Engine, url: str, run, revision: str) -> None:
     with schema_lock(url):
         config = alembic_config(url)
-        with engine.execution_options(**{WRITE_OPTION: True}).begin() as connection:
-            config.attributes["connection"] = connection
-            command.downgrade(config, revision)
+        with engine.execution_options(**{WRITE_OPTION: True}).connect() as connection:
+            with _sqlite_foreign_keys_off(connection):
+                with connection.begin():
+                    config.attributes["connection"] = connection
+                    run(config, revision)
+                    _check_foreign_keys(connection)
+
+
+@contextlib.contextmanager
+def _sqlite_foreign_keys_off(connection: Connection) -> Iterator[None]:
+    """SQLite rebuilds a table to change its constraints (a copy, then DROP TABLE of the
+    old one); with foreign keys on, that DROP would cascade to the rows that refer to it.
+    The pragma only takes effect outside a transaction, so it is set before BEGIN, on
+    the driver's connection (a statement through SQLAlchemy would begin one first)."""
+    if connection.dialect.name != "sqlite":
+        yield
+        return
+    driver = connection.connection.driver_connection
+    driver.execute("PRAGMA foreign_keys=OFF")
+    try:
+        yield
+    finally:
+        driver.execute("PRAGMA foreign_keys=ON")
+
+
+def _check_foreign_keys(connection: Connection) -> None:
+    """Refuses (rolls back) a SQLite migration that left a row pointing nowhere."""
+    if connection.dialect.name != "sqlite":
+        return
+    broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+    if broken:
+        raise RuntimeError(f"migration left rows with broken foreign keys: {broken[:5]}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -17,9 +18,12 @@ from validation_service.errors import InvalidInput, RunNotFound
 from validation_service.jobs import MetricSource, RunStatus, ValidationStatus
 from validation_service.metrics import normalize_metrics, rankable
 from validation_service.names import check_name
+from validation_service.registry.aliases import tag_conditions
 from validation_service.registry.database import Database
 from validation_service.registry.models import Checkpoint, MetricValue, Run, utcnow
 from validation_service.registry.records import CheckpointRecord, RunRecord, record_from
+
+logger = logging.getLogger(__name__)
 
 Mode = Literal["max", "min"]
 
@@ -34,11 +38,30 @@ class Catalog:
         self.namespace = namespace
 
     # ------------------------------------------------------------------- runs
-    def ensure_run(self, name: str, *, storage_root: str, tags: dict[str, Any] | None) -> int:
+    def ensure_run(
+        self,
+        name: str,
+        *,
+        storage_root: str,
+        tags: dict[str, Any] | None,
+        append: bool = False,
+    ) -> int:
+        """The id of the run's current attempt, created if needed.
+
+        The latest attempt while it is RUNNING (a Ray Train run restarted after a worker
+        failure goes on in it). Once it ended, a new attempt, unless ``append``: then the
+        ended attempt is reopened.
+        """
+        check_run_name(name)
         for _ in range(3):
-            run_id = self.find_run_id(name)
-            if run_id is not None:
-                return run_id
+            with self.db.read() as session:
+                latest = session.execute(self._latest_attempt_query(name)).first()
+            if latest is not None and latest.status == RunStatus.RUNNING.value:
+                return latest.id
+            if latest is not None and append:
+                self._reopen(latest.id)
+                return latest.id
+            attempt = 1 if latest is None else latest.attempt + 1
             row = {
                 "name": name,
                 "namespace": self.namespace,
@@ -46,18 +69,33 @@ class Catalog:
                 "tags": tags or {},
                 "created_at": utcnow(),
                 "status": RunStatus.RUNNING.value,
+                "attempt": attempt,
             }
             try:
                 with self.db.write() as conn:
-                    return conn.execute(_INSERT_RUN, row).scalar_one()
+                    run_id = conn.execute(_INSERT_RUN, row).scalar_one()
             except IntegrityError:
                 continue  # another reporter created it first
+            if latest is not None:
+                logger.warning(
+                    "run %r ended (%s) at %s; starting attempt %d; pass append=True / "
+                    "--append (CKVAL_APPEND=1 inside Ray Train) to keep adding to attempt %d",
+                    name,
+                    latest.status,
+                    latest.ended_at.isoformat() if latest.ended_at else "an unknown time",
+                    attempt,
+                    latest.attempt,
+                )
+            return run_id
         raise RuntimeError(f"could not create or find run {name!r}")
 
     def run_tags(self, name: str, namespace: str | None = None) -> dict[str, Any]:
         """The tags of the named run ({} when there is no such run)."""
-        query = select(Run.tags).where(
-            Run.namespace == (namespace or self.namespace), Run.name == name
+        query = (
+            select(Run.tags)
+            .where(Run.namespace == (namespace or self.namespace), Run.name == name)
+            .order_by(Run.attempt.desc())
+            .limit(1)
         )
         with self.db.read() as session:
             return dict(session.scalar(query) or {})
@@ -68,6 +106,47 @@ class Catalog:
             current = conn.execute(select(_runs.c.tags).where(_runs.c.id == run_id)).scalar_one()
             merged = {**(current or {}), **tags}
             conn.execute(update(_runs).where(_runs.c.id == run_id).values(tags=merged))
+
+    def _reopen(self, run_id: int) -> None:
+        with self.db.write() as conn:
+            conn.execute(
+                update(_runs)
+                .where(_runs.c.id == run_id)
+                .values(status=RunStatus.RUNNING.value, ended_at=None)
+            )
+
+    def current_run_id(self, name: str, *, append: bool) -> int | None:
+        """The attempt the next report of the run goes to, if it exists: the latest one
+        while RUNNING (or ended, with ``append``); None when a new attempt is due."""
+        check_run_name(name)
+        with self.db.read() as session:
+            latest = session.execute(self._latest_attempt_query(name)).first()
+        if latest is None or (latest.status != RunStatus.RUNNING.value and not append):
+            return None
+        return latest.id
+
+    def next_attempt(self, name: str, *, append: bool) -> int:
+        """The attempt number ensure_run(name, append=append) would return now."""
+        check_run_name(name)
+        with self.db.read() as session:
+            latest = session.execute(self._latest_attempt_query(name)).first()
+        if latest is None:
+            return 1
+        if latest.status == RunStatus.RUNNING.value or append:
+            return latest.attempt
+        return latest.attempt + 1
+
+    def finish_run(self, name: str, status: RunStatus, attempt: int | None) -> bool:
+        """Ends the run's latest attempt (or ``attempt``) if RUNNING; False if it was not."""
+        with self.db.read() as session:
+            run_id = self.require_run_id(session, name, attempt)
+        with self.db.write() as conn:
+            changed = conn.execute(
+                update(_runs)
+                .where(_runs.c.id == run_id, _runs.c.status == RunStatus.RUNNING.value)
+                .values(status=status.value, ended_at=utcnow())
+            ).rowcount
+        return bool(changed)
 
     def find_run_id(self, name: str) -> int | None:
         check_run_name(name)
@@ -90,8 +169,13 @@ class Catalog:
         )
         return dict(session.execute(query).all())
 
-    def require_run_id(self, session: Session, name: str) -> int:
-        run_id = session.scalar(self._run_id_query(name))
+    def require_run_id(self, session: Session, name: str, attempt: int | None = None) -> int:
+        """The id of the run's latest attempt (or of ``attempt``); RunNotFound if none."""
+        run_id = session.scalar(self._run_id_query(name, attempt))
+        if run_id is None and attempt is not None and session.scalar(self._run_id_query(name)):
+            raise InvalidInput(
+                f"run {name!r} has no attempt {attempt}; `ckval runs` lists its attempts"
+            )
         if run_id is None:
             known = session.scalars(
                 select(Run.name).where(Run.namespace == self.namespace).limit(50)
@@ -99,8 +183,19 @@ class Catalog:
             raise RunNotFound(name, self.namespace, list(known))
         return run_id
 
-    def _run_id_query(self, name: str):
-        return select(Run.id).where(Run.namespace == self.namespace, Run.name == name)
+    def _run_id_query(self, name: str, attempt: int | None = None):
+        query = select(Run.id).where(Run.namespace == self.namespace, Run.name == name)
+        if attempt is not None:
+            return query.where(Run.attempt == attempt)
+        return query.order_by(Run.attempt.desc()).limit(1)
+
+    def _latest_attempt_query(self, name: str):
+        return (
+            select(Run.id, Run.attempt, Run.status, Run.ended_at)
+            .where(Run.namespace == self.namespace, Run.name == name)
+            .order_by(Run.attempt.desc())
+            .limit(1)
+        )
 
     # ---------------------------------------------------------- checkpoints
     def next_report_index(self, run_id: int) -> int:
@@ -188,18 +283,27 @@ class Catalog:
                 conn.execute(_INSERT_METRIC_VALUE, values)
         return len(rows)
 
-    def checkpoints(self, run: str, *, include_deleted: bool) -> list[CheckpointRecord]:
+    def checkpoints(
+        self,
+        run: str,
+        *,
+        include_deleted: bool,
+        tags: dict[str, str] | None = None,
+        attempt: int | None = None,
+    ) -> list[CheckpointRecord]:
         with self.db.read() as session:
-            run_id = self.require_run_id(session, run)
+            run_id = self.require_run_id(session, run, attempt)
             query = select(*_RECORD_COLUMNS).where(Checkpoint.run_id == run_id)
             if not include_deleted:
                 query = query.where(Checkpoint.deleted_at.is_(None))
+            if tags:
+                query = query.where(*tag_conditions(tags))
             rows = session.execute(query.order_by(Checkpoint.report_index)).all()
             return [checkpoint_record(c, run) for c in rows]
 
-    def latest(self, run: str) -> CheckpointRecord | None:
+    def latest(self, run: str, attempt: int | None = None) -> CheckpointRecord | None:
         with self.db.read() as session:
-            run_id = self.require_run_id(session, run)
+            run_id = self.require_run_id(session, run, attempt)
             row = session.execute(
                 select(*_RECORD_COLUMNS)
                 .where(Checkpoint.run_id == run_id, Checkpoint.deleted_at.is_(None))
@@ -209,15 +313,27 @@ class Catalog:
             return None if row is None else checkpoint_record(row, run)
 
     def best(
-        self, session: Session, run: str | None, metric: str, mode: Mode, k: int
+        self,
+        session: Session,
+        run_id: int | None,
+        metric: str,
+        mode: Mode,
+        k: int,
+        tags: dict[str, str] | None = None,
     ) -> list[CheckpointRecord]:
-        """Top-k by the effective (merged, finite) values of a metric; ties: earlier report."""
+        """Top-k by the effective (merged, finite) values of a metric; ties: earlier report.
+
+        ``run_id``: one attempt of a run, or None for every run of the namespace.
+        """
         if mode not in ("max", "min"):
             raise InvalidInput(f"mode must be 'max' or 'min', got {mode!r}")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise InvalidInput(f"k must be a positive int, got {k!r}")
-        params = {"b_metric": metric, "b_namespace": self.namespace, "b_run": run, "b_k": k}
-        rows = session.execute(_best_query(mode, run is not None), params).all()
+        params = {"b_metric": metric, "b_namespace": self.namespace, "b_run_id": run_id, "b_k": k}
+        query = _best_query(mode, run_id is not None)
+        if tags:
+            query = query.where(*tag_conditions(tags))
+        rows = session.execute(query, params).all()
         return [checkpoint_record(row, row.run_name) for row in rows]
 
     def known_metrics(self, session: Session, run_id: int | None) -> set[str]:
@@ -287,7 +403,7 @@ def _best_query(mode: Mode, by_run: bool):
         Run.namespace == bindparam("b_namespace"),
     ]
     if by_run:
-        conditions.append(Run.name == bindparam("b_run"))
+        conditions.append(MetricValue.run_id == bindparam("b_run_id"))
     return (
         select(*_RECORD_COLUMNS, Run.name.label("run_name"))
         .join(MetricValue, MetricValue.checkpoint_id == Checkpoint.id)
@@ -350,11 +466,12 @@ def run_record(run: Run) -> RunRecord:
 
 def checkpoint_record(c: Row, run: str) -> CheckpointRecord:
     """A record from a row of _RECORD_COLUMNS (a plain row: no ORM object to build)."""
-    return record_from(CheckpointRecord, c, run=run)
+    return record_from(CheckpointRecord, c, run=run, aliases=(), tags={})
 
 
+# The record's fields that are checkpoints columns (not run, aliases, tags).
 _RECORD_COLUMNS = tuple(
-    _checkpoints.c[f.name] for f in dataclasses.fields(CheckpointRecord) if f.name != "run"
+    _checkpoints.c[f.name] for f in dataclasses.fields(CheckpointRecord) if f.name in _checkpoints.c
 )
 _METRIC_VALUE_COLUMNS = ("checkpoint_id", "run_id", "name", "source", "value", "effective")
 

@@ -54,7 +54,10 @@ class Base(DeclarativeBase):
 
 class Run(Base):
     __tablename__ = "runs"
-    __table_args__ = (UniqueConstraint("namespace", "name", name="uq_runs_namespace_name"),)
+    # A run name reused after the run ended starts a new attempt: a runs row of its own.
+    __table_args__ = (
+        UniqueConstraint("namespace", "name", "attempt", name="uq_runs_namespace_name_attempt"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(255))
@@ -66,6 +69,8 @@ class Run(Base):
     # The report index the next report of this run gets: every reporting process reserves
     # its indices here (an atomic increment), so no two reports share an index or a folder.
     next_report_index: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    attempt: Mapped[int] = mapped_column(Integer, default=1)
+    ended_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
 
     checkpoints: Mapped[list[Checkpoint]] = relationship(back_populates="run")
 
@@ -190,3 +195,64 @@ class ValidationAttempt(Base):
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     job: Mapped[ValidationJob] = relationship(back_populates="attempt_rows")
+
+
+class CheckpointAlias(Base):
+    """A name for one checkpoint of a run ("best", "production"); one row per (run, alias),
+    so moving an alias is one upsert."""
+
+    __tablename__ = "checkpoint_aliases"
+    __table_args__ = (UniqueConstraint("run_id", "alias", name="uq_checkpoint_aliases_run_alias"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    alias: Mapped[str] = mapped_column(String(255))
+    checkpoint_id: Mapped[int] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), index=True
+    )
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class TrackedAlias(Base):
+    """A rule that keeps an alias on the run's best checkpoint by a metric, re-applied as
+    validations finish."""
+
+    __tablename__ = "tracked_aliases"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    alias: Mapped[str] = mapped_column(String(255), primary_key=True)
+    metric: Mapped[str] = mapped_column(String(255))
+    mode: Mapped[str] = mapped_column(String(8))
+
+
+class CheckpointTag(Base):
+    """A key = value string tag of one checkpoint (as MLflow's tags)."""
+
+    __tablename__ = "checkpoint_tags"
+    __table_args__ = (Index("ix_checkpoint_tags_key_value", "key", "value"),)
+
+    checkpoint_id: Mapped[int] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    value: Mapped[str] = mapped_column(String(1000))
+
+
+class RetentionPolicy(Base):
+    """Which checkpoints the service keeps as validations finish, for one run name or
+    (``run_name`` empty) for every run of a namespace."""
+
+    __tablename__ = "retention_policies"
+    __table_args__ = (
+        UniqueConstraint("namespace", "run_name", name="uq_retention_policies_scope"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    namespace: Mapped[str] = mapped_column(String(255))
+    run_name: Mapped[str] = mapped_column(String(255))
+    metric: Mapped[str] = mapped_column(String(255))
+    mode: Mapped[str] = mapped_column(String(8))
+    keep_best: Mapped[int] = mapped_column(Integer)
+    keep_best_per_run: Mapped[int] = mapped_column(Integer)
+    keep_latest: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

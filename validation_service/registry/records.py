@@ -19,6 +19,9 @@ class RunRecord:
     created_at: dt.datetime
     status: str
     tags: dict[str, Any]
+    # A run name reused after the run ended starts attempt 2, 3, ...: each its own row.
+    attempt: int = 1
+    ended_at: dt.datetime | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,9 @@ class CheckpointRecord:
     metrics: dict[str, Any]
     validation_status: str
     deleted_at: dt.datetime | None
+    # Filled in by the Registry's *_records methods (the plain best_checkpoints skips them).
+    aliases: tuple[str, ...] = ()
+    tags: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,12 +30,13 @@ from validation_service.errors import (
     ValidationsFailedWarning,
     failed_validations_message,
 )
-from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus, ValidationStatus
+from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus, RunStatus, ValidationStatus
 from validation_service.metrics import lower_is_better, normalize_metrics
 from validation_service.names import check_name
 from validation_service.progress import ProgressRenderer
-from validation_service.registry import transitions
-from validation_service.registry.catalog import Catalog, Mode, checkpoint_row
+from validation_service.registry import aliases as alias_store
+from validation_service.registry import retention, search, transitions
+from validation_service.registry.catalog import Catalog, Mode, check_run_name, checkpoint_row
 from validation_service.registry.database import Database, retry_on_disconnect
 from validation_service.registry.models import utcnow
 from validation_service.registry.queue import Queue
@@ -112,14 +113,23 @@ class Registry:
     # ------------------------------------------------------------------- runs
     @retry_on_disconnect
     def ensure_run(
-        self, name: str, *, storage_root: str, tags: dict[str, Any] | None = None
+        self,
+        name: str,
+        *,
+        storage_root: str,
+        tags: dict[str, Any] | None = None,
+        append: bool = False,
     ) -> int:
-        """Returns the id of the named run in this namespace, creating it if needed."""
-        return self.catalog.ensure_run(name, storage_root=storage_root, tags=tags)
+        """The id of the named run's current attempt in this namespace, created if needed.
+
+        A run that ended (FINISHED or FAILED) gets a new attempt, with a warning, unless
+        ``append``: then its last attempt is reopened and reports go on in it.
+        """
+        return self.catalog.ensure_run(name, storage_root=storage_root, tags=tags, append=append)
 
     @retry_on_disconnect
     def find_run_id(self, name: str) -> int | None:
-        """The id of the named run in this namespace, or None; writes nothing."""
+        """The id of the named run's latest attempt in this namespace, or None; writes nothing."""
         return self.catalog.find_run_id(name)
 
     @retry_on_disconnect
@@ -133,15 +143,55 @@ class Registry:
         self.catalog.merge_run_tags(run_id, tags)
 
     @retry_on_disconnect
-    def runs(self) -> list[RunRecord]:
-        with self.db.read() as session:
-            return self.catalog.runs(session)
+    def current_run_id(self, name: str, *, append: bool = False) -> int | None:
+        """The attempt the run's next report goes to, if it exists: its latest attempt while
+        RUNNING (also once ended, with ``append``); None when a new attempt is due."""
+        return self.catalog.current_run_id(name, append=append)
 
     @retry_on_disconnect
-    def run_summaries(self) -> list[RunSummary]:
-        """Every run with its checkpoint count and job counts, in three queries."""
+    def run_attempts(self, name: str) -> list[RunRecord]:
+        """Every attempt of the named run, the first first; RunNotFound if there is none."""
         with self.db.read() as session:
-            runs = self.catalog.runs(session)
+            self.catalog.require_run_id(session, name)
+            return [run for run in self.catalog.runs(session) if run.name == name]
+
+    @retry_on_disconnect
+    def next_attempt(self, name: str, *, append: bool = False) -> int:
+        """The attempt the run's next report goes to (1 for a new run); writes nothing."""
+        return self.catalog.next_attempt(name, append=append)
+
+    @retry_on_disconnect
+    def finish_run(
+        self, run: str, status: RunStatus | str = RunStatus.FINISHED, *, attempt: int | None = None
+    ) -> bool:
+        """Ends the run's latest attempt (or ``attempt``) as FINISHED or FAILED.
+
+        Returns False, changing nothing, when it had ended already. The run's name used
+        again starts a new attempt (see ensure_run).
+        """
+        try:
+            status = RunStatus(status)
+        except ValueError:
+            status = None
+        if status not in (RunStatus.FINISHED, RunStatus.FAILED):
+            raise InvalidInput(
+                f"a run ends as {RunStatus.FINISHED.value} or {RunStatus.FAILED.value}, "
+                f"not {status!r}"
+            )
+        return self.catalog.finish_run(run, status, attempt)
+
+    @retry_on_disconnect
+    def runs(self, status: RunStatus | str | None = None) -> list[RunRecord]:
+        """Every attempt of every run of the namespace (only those in ``status``)."""
+        with self.db.read() as session:
+            return _with_status(self.catalog.runs(session), status)
+
+    @retry_on_disconnect
+    def run_summaries(self, status: RunStatus | str | None = None) -> list[RunSummary]:
+        """Every run attempt (only those in ``status``) with its checkpoint count and job
+        counts, in three queries."""
+        with self.db.read() as session:
+            runs = _with_status(self.catalog.runs(session), status)
             checkpoints = self.catalog.checkpoint_counts(session)
             jobs = self.queue.job_counts_by_run(session, self.namespace)
         return [RunSummary(run, checkpoints.get(run.id, 0), jobs.get(run.id, {})) for run in runs]
@@ -237,27 +287,54 @@ class Registry:
             conn.exec_driver_sql("ANALYZE")
 
     @retry_on_disconnect
-    def checkpoints(self, run: str, *, include_deleted: bool = False) -> list[CheckpointRecord]:
-        return self.catalog.checkpoints(run, include_deleted=include_deleted)
+    def checkpoints(
+        self,
+        run: str,
+        *,
+        include_deleted: bool = False,
+        tags: dict[str, str] | None = None,
+        attempt: int | None = None,
+    ) -> list[CheckpointRecord]:
+        """The run's checkpoints in report order, with their aliases and tags.
+
+        ``tags``: only those with every key = value; ``attempt``: of that attempt of
+        the run (default: its latest).
+        """
+        records = self.catalog.checkpoints(
+            run, include_deleted=include_deleted, tags=tags, attempt=attempt
+        )
+        with self.db.read() as session:
+            return alias_store.with_aliases_and_tags(session, records)
 
     @retry_on_disconnect
-    def latest_checkpoint(self, run: str):
-        """The newest checkpoint of the run as a ray.train.Checkpoint (resume after a crash)."""
-        record = self.catalog.latest(run)
+    def latest_checkpoint(self, run: str, *, attempt: int | None = None):
+        """The newest checkpoint of the run's latest attempt (or of ``attempt``) as a
+        ray.train.Checkpoint (resume after a crash); deleted checkpoints are skipped."""
+        record = self.catalog.latest(run, attempt)
         return None if record is None else self._ray_checkpoint(record)
 
     def best_checkpoints(
-        self, run: str | None, metric: str, mode: Mode | None = None, k: int = 1
+        self,
+        run: str | None,
+        metric: str,
+        mode: Mode | None = None,
+        k: int = 1,
+        *,
+        tags: dict[str, str] | None = None,
+        attempt: int | None = None,
     ) -> list[tuple[Any, dict[str, Any]]]:
         """Top-k checkpoints by a metric: [(ray.train.Checkpoint, metrics), ...].
 
         Uses the merged metrics (a validated value overrides a reported one of the same
-        name). NaN and infinite values are never ranked. Ties go to the earlier report.
-        ``mode`` defaults to "max"; left out for a metric named like a loss or an error,
-        it warns that the highest values come first.
+        name). NaN and infinite values are never ranked, deleted checkpoints neither. Ties
+        go to the earlier report. ``run``: its latest attempt (or ``attempt``); None: every
+        run of the namespace. ``tags``: only checkpoints with every key = value. ``mode``
+        defaults to "max"; left out for a metric named like a loss or an error, it warns
+        that the highest values come first.
         """
-        records = self.best_checkpoint_records(run, metric, mode or "max", k)
-        if mode is None and lower_is_better(metric):
+        validation.check_k(k)
+        records = self._best(run, metric, mode or "max", k, tags, attempt)
+        if mode is None and records and lower_is_better(metric):
             warnings.warn(
                 f"best_checkpoints ranked {metric!r} with mode='max' (the default), but its "
                 "name says lower is better: pass mode='min' for the lowest values "
@@ -269,20 +346,288 @@ class Registry:
 
     @retry_on_disconnect
     def best_checkpoint_records(
-        self, run: str | None, metric: str, mode: Mode = "max", k: int = 1
+        self,
+        run: str | None,
+        metric: str,
+        mode: Mode = "max",
+        k: int = 1,
+        *,
+        tags: dict[str, str] | None = None,
+        attempt: int | None = None,
     ) -> list[CheckpointRecord]:
+        """As best_checkpoints, as records with their aliases and tags."""
         validation.check_k(k)
+        records = self._best(run, metric, mode, k, tags, attempt)
         with self.db.read() as session:
-            records = self.catalog.best(session, run, metric, mode, k)
+            return alias_store.with_aliases_and_tags(session, records)
+
+    @retry_on_disconnect
+    def _best(self, run, metric, mode, k, tags, attempt) -> list[CheckpointRecord]:
+        with self.db.read() as session:
+            run_id = None if run is None else self.catalog.require_run_id(session, run, attempt)
+            records = self.catalog.best(session, run_id, metric, mode, k, tags)
             if records:
                 return records
-            run_id = self.catalog.require_run_id(session, run) if run is not None else None
             known = self.catalog.known_metrics(session, run_id)
             # Recorded only as NaN/inf or non-numeric values, or perhaps still to come with
             # a pending validation: no error, no checkpoints.
             if metric in known or self.queue.active_count(session, run_id):
                 return []
             raise UnknownMetric(metric, run, sorted(known))
+
+    # ---------------------------------------------------------- aliases, tags
+    @retry_on_disconnect
+    def set_alias(self, run: str, alias: str, report_index: int) -> None:
+        """Points the run's ``alias`` at one of its checkpoints, moving it if it was set.
+
+        One statement (an upsert on the unique (run, alias)): concurrent moves end with
+        one alias on one of the checkpoints asked for. A deleted checkpoint is refused.
+        """
+        alias_store.check_alias(alias)
+        with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run)
+        with self.db.write() as conn:
+            checkpoint_id = alias_store.live_checkpoint_id(conn, run_id, run, report_index)
+            alias_store.set_alias(conn, run_id, alias, checkpoint_id)
+
+    def get_alias(self, run: str, alias: str) -> tuple[Any, dict[str, Any]]:
+        """The checkpoint the run's alias points at: (ray.train.Checkpoint, metrics)."""
+        record = self.get_alias_record(run, alias)
+        return self._ray_checkpoint(record), record.metrics
+
+    @retry_on_disconnect
+    def get_alias_record(self, run: str, alias: str) -> CheckpointRecord:
+        with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run)
+            checkpoint_id = alias_store.aliased_checkpoint_id(session, run_id, run, alias)
+        record = next(
+            r for r in self.catalog.checkpoints(run, include_deleted=True) if r.id == checkpoint_id
+        )
+        with self.db.read() as session:
+            return alias_store.with_aliases_and_tags(session, [record])[0]
+
+    @retry_on_disconnect
+    def aliases(self, run: str) -> dict[str, int]:
+        """Alias -> report index, for every alias of the run (its latest attempt)."""
+        with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run)
+            return alias_store.run_aliases(session, run_id)
+
+    @retry_on_disconnect
+    def remove_alias(self, run: str, alias: str) -> bool:
+        """Removes the alias (and its tracking rule); False if the run had no such alias."""
+        alias_store.check_alias(alias)
+        with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run)
+        with self.db.write() as conn:
+            return alias_store.remove_alias(conn, run_id, alias)
+
+    @retry_on_disconnect
+    def track_alias(self, run: str, alias: str, metric: str, mode: Mode = "max") -> int | None:
+        """Keeps ``alias`` on the run's best checkpoint by ``metric``: stored as a rule that
+        the service re-applies as validations finish, and applied now. Returns the report
+        index the alias points at, or None while no checkpoint has the metric."""
+        alias_store.check_alias(alias)
+        if mode not in ("max", "min"):
+            raise InvalidInput(f"mode must be 'max' or 'min', got {mode!r}")
+        if not isinstance(metric, str) or not metric:
+            raise InvalidInput(f"metric must be a metric name, got {metric!r}")
+        with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run)
+        with self.db.write() as conn:
+            alias_store.track_alias(conn, run_id, alias, metric, mode)
+        return self._refresh_tracked_aliases(run_id).get(alias)
+
+    @retry_on_disconnect
+    def refresh_tracked_aliases(self, run: str) -> dict[str, int]:
+        """Moves the run's tracked aliases onto its current best checkpoints; returns
+        alias -> report index of those that point somewhere."""
+        with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run)
+        return self._refresh_tracked_aliases(run_id)
+
+    def _refresh_tracked_aliases(self, run_id: int) -> dict[str, int]:
+        pointed: dict[str, int] = {}
+        with self.db.write() as conn:
+            for alias, metric, mode in alias_store.tracking_rules(conn, run_id):
+                best = self.catalog.best(conn, run_id, metric, mode, 1)
+                if best:
+                    alias_store.set_alias(conn, run_id, alias, best[0].id)
+                    pointed[alias] = best[0].report_index
+        return pointed
+
+    @retry_on_disconnect
+    def tag(self, run: str, report_index: int, key: str, value: str | None) -> None:
+        """Sets a string tag on one checkpoint of the run (``value`` None removes it)."""
+        alias_store.check_tag(key, value)
+        with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run)
+        with self.db.write() as conn:
+            checkpoint_id = alias_store.live_checkpoint_id(conn, run_id, run, report_index)
+            alias_store.set_tag(conn, checkpoint_id, key, value)
+
+    # -------------------------------------------------------------- retention
+    def apply_retention(
+        self,
+        run: str | None = None,
+        *,
+        metric: str,
+        mode: Mode = "max",
+        keep_best: int = 0,
+        keep_best_per_run: int = 1,
+        keep_latest: int = 1,
+        dry_run: bool = False,
+    ) -> list[CheckpointRecord]:
+        """Deletes the checkpoints that no rule keeps; returns them (or, with ``dry_run``,
+        those that would go, deleting nothing).
+
+        Kept: the ``keep_best`` best by ``metric`` across the run's attempts (``run``
+        None: across the namespace's runs), the ``keep_best_per_run`` best and the
+        ``keep_latest`` newest of each run attempt, and always a checkpoint whose
+        validation is QUEUED or RUNNING, one with an alias and the one latest_checkpoint()
+        returns. Deleted checkpoints lose their files; their rows stay, marked deleted,
+        with their metrics. An unknown metric raises UnknownMetric, deleting nothing.
+        """
+        rule = retention.RetentionRule(
+            metric, mode, keep_best, keep_best_per_run, keep_latest, run=run
+        )
+        return self._apply_retention(self.catalog, rule, dry_run=bool(dry_run), strict=True)
+
+    @retry_on_disconnect
+    def _apply_retention(
+        self,
+        catalog: Catalog,
+        rule: retention.RetentionRule,
+        *,
+        dry_run: bool,
+        strict: bool,
+        exclude_runs: Sequence[str] = (),
+    ) -> list[CheckpointRecord]:
+        with self.db.read() as session:
+            run_id = None if rule.run is None else catalog.require_run_id(session, rule.run)
+            found = retention.candidates(session, catalog.namespace, rule.run, exclude_runs)
+            found = retention.with_values(session, found, rule.metric)
+            if not any(c.value is not None for c in found):
+                known = catalog.known_metrics(session, run_id)
+                if rule.metric not in known:
+                    if not strict:
+                        return []
+                    raise UnknownMetric(rule.metric, rule.run, sorted(known))
+            aliased = retention.aliased_ids(session, [c.record.id for c in found])
+        going = retention.to_delete(found, rule, aliased)
+        if dry_run or not going:
+            return [c.record for c in going]
+        now = utcnow()
+        with self.db.write() as conn:
+            marked = retention.mark_deleted(conn, [c.record.id for c in going], now)
+        deleted = [c for c in going if c.record.id in marked]
+        self._delete_files(deleted)
+        return [dataclasses.replace(c.record, deleted_at=now) for c in deleted]
+
+    def _delete_files(self, deleted: Sequence[retention.Candidate]) -> None:
+        """Removes deleted checkpoints' files; a failure is logged, the rows stay marked."""
+        from validation_service.storage import CheckpointStorage
+
+        storages: dict[str, CheckpointStorage] = {}
+        for candidate in deleted:
+            uri = candidate.record.uri
+            try:
+                root = candidate.storage_root
+                if root not in storages:
+                    storages[root] = CheckpointStorage(root, self.settings.storage_options)
+                storages[root].delete(uri)
+            except Exception as exc:  # noqa: BLE001 - the row is marked; say what is left
+                logger.warning(
+                    "checkpoint %d of run %r is marked deleted but its files at %s could "
+                    "not be removed (%s: %s); remove them by hand",
+                    candidate.record.report_index,
+                    candidate.record.run,
+                    uri,
+                    type(exc).__name__,
+                    exc,
+                )
+
+    @retry_on_disconnect
+    def set_retention(
+        self,
+        run: str | None = None,
+        *,
+        metric: str,
+        mode: Mode = "max",
+        keep_best: int = 0,
+        keep_best_per_run: int = 1,
+        keep_latest: int = 1,
+    ) -> retention.RetentionRule:
+        """Stores a retention policy for the run name (None: for the namespace) that the
+        service applies as validations finish; the arguments are apply_retention's.
+
+        A run's own policy replaces the namespace's for that run.
+        """
+        rule = retention.RetentionRule(
+            metric, mode, keep_best, keep_best_per_run, keep_latest, run=run
+        )
+        if run is not None:
+            check_run_name(run)
+        with self.db.write() as conn:
+            retention.save_policy(conn, self.namespace, rule)
+        return rule
+
+    @retry_on_disconnect
+    def clear_retention(self, run: str | None = None) -> bool:
+        """Removes the stored policy of the run name (None: the namespace's)."""
+        with self.db.write() as conn:
+            return retention.remove_policy(conn, self.namespace, run)
+
+    @retry_on_disconnect
+    def retention_policies(self) -> dict[str | None, retention.RetentionRule]:
+        """Run name (None: the namespace's own policy) -> its stored retention policy."""
+        with self.db.read() as session:
+            return retention.policies(session, self.namespace)
+
+    def after_validation(self, run_id: int) -> None:
+        """What follows merged metrics: the run's tracked aliases move to its best
+        checkpoints, then its stored retention policy (else its namespace's) applies.
+
+        Never raises: the validation's outcome is recorded already; a failure is logged.
+        """
+        try:
+            # One read finds out whether anything is to do (usually nothing): no write
+            # transaction per finished validation without rules or policies.
+            with self.db.read() as session:
+                rules = alias_store.tracking_rules(session, run_id)
+                scope = retention.run_of(session, run_id)
+                stored = retention.policies(session, scope[0]) if scope else {}
+            if rules:
+                self._refresh_tracked_aliases(run_id)
+            if not scope or not stored:
+                return
+            namespace, name = scope
+            catalog = self.catalog if namespace == self.namespace else Catalog(self.db, namespace)
+            if name in stored:
+                self._apply_retention(catalog, stored[name], dry_run=False, strict=False)
+            elif None in stored:
+                own = [run for run in stored if run is not None]
+                self._apply_retention(
+                    catalog, stored[None], dry_run=False, strict=False, exclude_runs=own
+                )
+        except Exception:  # noqa: BLE001 - aliases and retention catch up on the next one
+            logger.exception("tracked aliases or retention after a validation of run id %s", run_id)
+
+    # ----------------------------------------------------------------- search
+    @retry_on_disconnect
+    def search(
+        self, filter: str = "", order_by: Sequence[str] | None = None, k: int = 100
+    ) -> list[CheckpointRecord]:
+        """Checkpoints of every run of the namespace that match an MLflow-style filter,
+        e.g. ``"metrics.accuracy > 0.9 and tags.split = 'val'"``, in ``order_by`` order
+        (e.g. ``["metrics.accuracy DESC"]``; default: report order), at most ``k``.
+
+        The grammar is in validation_service/registry/search.py; a filter that does not
+        parse raises InvalidSearch naming the position and what was expected.
+        """
+        with self.db.read() as session:
+            records = search.search(session, self.namespace, filter, order_by, k)
+            return alias_store.with_aliases_and_tags(session, records)
 
     def delete_checkpoint(self, checkpoint_id: int) -> None:
         """Marks a checkpoint deleted: it keeps its rows but is never ranked again."""
@@ -460,18 +805,21 @@ class Registry:
                     result_metrics=metrics,
                     checkpoint_columns=merged,
                 )
-                return True
-            decision = (policy or self.retry_policy).after_failure(
-                budget=AttemptBudget(job.attempts, job.attempts_before_retry, job.max_attempts),
-                retryable=outcome.retryable,
-                timed_out=outcome.timed_out,
-                retry_on_timeout=job.retry_on_timeout,
-                now=now,
-            )
-            transitions.finish(
-                conn, job, outcome, decision.status, now, not_before=decision.not_before
-            )
-            return True
+            else:
+                decision = (policy or self.retry_policy).after_failure(
+                    budget=AttemptBudget(job.attempts, job.attempts_before_retry, job.max_attempts),
+                    retryable=outcome.retryable,
+                    timed_out=outcome.timed_out,
+                    retry_on_timeout=job.retry_on_timeout,
+                    now=now,
+                )
+                transitions.finish(
+                    conn, job, outcome, decision.status, now, not_before=decision.not_before
+                )
+        if metrics is not None:
+            # Merged metrics may move tracked aliases and let retention delete.
+            self.after_validation(job.run_id)
+        return True
 
     @retry_on_disconnect
     def requeue_expired(
@@ -602,6 +950,17 @@ def _job_status(status: JobStatus | str) -> JobStatus:
     except ValueError:
         names = ", ".join(s.value for s in JobStatus)
         raise InvalidInput(f"unknown job status {status!r}: use one of {names}") from None
+
+
+def _with_status(runs: list[RunRecord], status: RunStatus | str | None) -> list[RunRecord]:
+    if status is None:
+        return runs
+    try:
+        wanted = RunStatus(status).value
+    except ValueError:
+        known = ", ".join(s.value for s in RunStatus)
+        raise InvalidInput(f"run status must be one of {known}, got {status!r}") from None
+    return [run for run in runs if run.status == wanted]
 
 
 def _checked_metrics(outcome: JobOutcome) -> tuple[dict[str, Any] | None, JobOutcome]:
