@@ -544,8 +544,22 @@ def _start_watch(prefix, env, url, *args):
         start_new_session=True,  # its own process group, as a shell gives a foreground job
     )
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
+    reader.start()
+    errors: list[str] = []
+    err_reader = threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)
+    err_reader.start()
+    # The only readers of the pipes: joined once the process ends (see _finish_watch).
+    proc.readers, proc.errors = (reader, err_reader), errors
     return proc, lines
+
+
+def _finish_watch(proc, timeout_s: float = 120) -> str:
+    """Waits for the watch to exit; returns its standard error (stdout is in its lines)."""
+    proc.wait(timeout=timeout_s)
+    for reader in proc.readers:
+        reader.join(timeout_s)
+    return "".join(proc.errors)
 
 
 def _wait_for_line(lines: queue.Queue, pattern: str, timeout_s: float = 120) -> list[str]:
@@ -572,11 +586,11 @@ def test_jobs_watch_prints_status_changes_until_nothing_is_active(populated, wit
         registry.finish_job(
             claimed.job_id, claimed.lease_token, JobOutcome(succeeded=True, metrics={"f1": 0.5})
         )
-        out, err = proc.communicate(timeout=120)
+        err = _finish_watch(proc)
     finally:
         proc.kill()
     assert proc.returncode == 0, err
-    rest = "".join(iter_queue(lines)) + out
+    rest = "".join(iter_queue(lines))
     assert re.search(rf"UTC[+-]\d\d:\d\d  job {claimed.job_id} \(mnist report 1\): ", rest)
     assert "QUEUED -> SUCCEEDED" in rest or "RUNNING -> SUCCEEDED" in rest
     assert rest.strip().splitlines()[-1] == "no job is QUEUED or RUNNING: SUCCEEDED=2"
@@ -598,7 +612,7 @@ def test_jobs_watch_ctrl_c_exits_zero(populated, without_ray):
     try:
         _wait_for_line(lines, r"\bQUEUED\b")
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
-        _, err = proc.communicate(timeout=120)
+        err = _finish_watch(proc)
     finally:
         proc.kill()
     assert proc.returncode == 0, err
