@@ -14,8 +14,6 @@ from typing import Any
 import click
 
 from validation_service._table import render
-from validation_service.config import get_settings
-from validation_service.errors import CkvalError
 
 RUN_STATUSES = ("RUNNING", "FINISHED", "FAILED")
 
@@ -47,6 +45,7 @@ def run_rows(summaries) -> tuple[list[str], list[list[Any]]]:
 
 
 def _registry(ctx: click.Context):
+    from validation_service.config import get_settings
     from validation_service.registry.registry import Registry
 
     obj = ctx.ensure_object(dict)
@@ -63,6 +62,8 @@ def _errors_reported(command: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        from validation_service.errors import CkvalError
+
         try:
             return command(*args, **kwargs)
         except CkvalError as exc:
