@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from validation_service.config import Settings, get_settings
+from validation_service.dashboard import dashboard_router, metrics_router
 from validation_service.errors import (
     CkvalError,
     InvalidInput,
@@ -103,6 +104,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     _add_query_routes(app, registry)
     _add_job_routes(app, registry, settings)
     _add_service_route(app, settings)
+    app.include_router(dashboard_router(registry, settings))
+    app.include_router(metrics_router(registry, settings))
     return app
 
 
