@@ -9,6 +9,8 @@
   const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2",
     "#ca8a04", "#db2777", "#4b5563", "#65a30d"];
 
+  // Report indexes are whole numbers: ticks at 1, 2, 5, 10, 20, ... reports apart.
+  const REPORT_TICKS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 100000];
   const base = document.body.dataset.base || "/ui";
   const dataNode = document.getElementById("ckval-data");
   const ckval = (window.ckval = {
@@ -176,13 +178,19 @@
     }
 
     function choose() {
-      params.set("metric", metricSelect.value);
-      params.set("mode", modeSelect.value);
       history.replaceState(null, "", `?${query()}`);
       ckval.refreshNow();
     }
-    metricSelect.addEventListener("change", () => { params.delete("mode"); choose(); });
-    modeSelect.addEventListener("change", choose);
+    metricSelect.addEventListener("change", () => {
+      // Another metric ranks in its own usual direction until a mode is chosen.
+      params.set("metric", metricSelect.value);
+      params.delete("mode");
+      choose();
+    });
+    modeSelect.addEventListener("change", () => {
+      params.set("mode", modeSelect.value);
+      choose();
+    });
     compareButton.addEventListener("click", () => {
       const q = new URLSearchParams({ runs: [...checked].join(",") });
       if (metricSelect.value) q.set("metric", metricSelect.value);
@@ -202,7 +210,7 @@
       width: plotWidth(box),
       height: 240,
       scales: { x: { time: false } },
-      axes: [{ label: "report index" }, {}],
+      axes: [{ label: "report index", incrs: REPORT_TICKS }, {}],
       series: [
         { label: "report" },
         { label: "reported", stroke: "#94a3b8", width: 1.5, spanGaps: true,
@@ -355,7 +363,7 @@
       width: plotWidth(container),
       height: 360,
       scales: { x: { time: false } },
-      axes: [{ label: "report index" }, { label: data.metric }],
+      axes: [{ label: "report index", incrs: REPORT_TICKS }, { label: data.metric }],
       series: [{ label: "report" }, ...data.runs.map((run, i) => ({
         label: run, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: true,
         points: { show: true, size: 5 },
