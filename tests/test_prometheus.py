@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from validation_service.api import create_app
 from validation_service.config import Settings
+from validation_service.dashboard.prometheus import RegistryCollector
 from validation_service.jobs import JobStatus
 from validation_service.registry.records import JobOutcome
 from validation_service.registry.registry import Registry
@@ -177,3 +179,50 @@ def test_service_down_when_due_jobs_wait_past_the_grace(registry: Registry, tmp_
     assert _one(families, "ckval_queue_depth", pool="CPU") == 2
     assert _one(families, "ckval_oldest_due_job_age_seconds") >= 0
     assert _one(families, "ckval_service_up", source="registry") == 0
+
+
+def _collect(collector: RegistryCollector) -> dict[str, dict]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    families = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        families[family.name] = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for sample in family.samples
+        }
+    return families
+
+
+def _count(families: dict, family: str, pool: str) -> float:
+    return families[family][(f"{family}_count", (("pool", pool),))]
+
+
+def test_histograms_from_sql_totals_then_job_by_job_without_double_counting(
+    busy: Registry, tmp_path: Path
+):
+    # No overlap: the first scrape buckets every job so far in SQL.
+    collector = RegistryCollector(busy, SETTINGS, overlap_s=0.0)
+    first = _collect(collector)
+    assert _count(first, "ckval_validation_duration_seconds", "CPU") == 2
+    assert _count(first, "ckval_dispatch_latency_seconds", "CPU") == 3
+    # A later scrape adds only what changed since: a CPU job ends, a new one is claimed.
+    running = next(j for j in busy.validations("cpu-run") if j.status == "RUNNING")
+    assert busy.finish_job(running.id, running.lease_token, _done())
+    claimed = busy.claim_due_jobs("test", {"CPU": 10, "A10G": 0}, lease_s=60)
+    assert len(claimed) == 2
+    second = _collect(collector)
+    assert _count(second, "ckval_validation_duration_seconds", "CPU") == 3
+    assert _count(second, "ckval_dispatch_latency_seconds", "CPU") == 5
+    # Scraping again counts nothing twice; a collector with the default overlap agrees.
+    third = _collect(collector)
+    for family in ("ckval_validation_duration_seconds", "ckval_dispatch_latency_seconds"):
+        assert third[family] == second[family]
+    fresh = _collect(RegistryCollector(busy, SETTINGS))
+    for family in ("ckval_validation_duration_seconds", "ckval_dispatch_latency_seconds"):
+        for pool in ("CPU", "A10G"):
+            assert _count(fresh, family, pool) == _count(second, family, pool)
+
+
+def _done() -> JobOutcome:
+    now = dt.datetime.now(dt.timezone.utc)
+    return JobOutcome(succeeded=True, metrics={"accuracy": 0.5}, started_at=now, finished_at=now)

@@ -65,7 +65,7 @@ def run_json(registry: Registry, run: str, base: str) -> dict[str, Any]:
     """One run: its record, a series per metric, its checkpoints and its jobs."""
     record = registry.run_record(run)
     checkpoints = registry.checkpoints(run)
-    jobs = registry.validations(run)
+    jobs = registry.run_jobs(run)
     return {
         "run": _run_fields(record),
         "url": run_url(base, run),

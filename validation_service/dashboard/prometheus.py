@@ -1,17 +1,26 @@
 """Prometheus metrics at /metrics, computed from the registry at scrape time.
 
 A custom collector reads one snapshot per scrape (registry/stats.py: a few grouped
-statements, never a query per job), so every API replica reports the same numbers and
-nothing is lost when one restarts. The two histograms are bucketed in SQL over every
-started job: the database returns a few sums per pool, and the buckets only grow as jobs
-finish, which is what rate() and histogram_quantile() expect of a histogram.
+statements, never a query per job), so the gauges say what the registry says whichever
+API replica is scraped.
+
+The two histograms count every job of the registry. The first scrape buckets the jobs
+that ended (or were first claimed) up to OVERLAP_S ago in SQL, a row per (pool, bucket)
+back; every later scrape reads only the jobs changed since then (an updated_at index
+range) and adds those it has not counted, keyed by (job, timestamp). Re-reading the last
+OVERLAP_S seconds catches a transition that committed after a scrape although its
+timestamp was taken before. A scrape thus costs the same at 100 jobs as at 1M, and the
+buckets only grow, as rate() and histogram_quantile() expect.
 """
 
 from __future__ import annotations
 
+import bisect
+import datetime as dt
 import logging
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 
 from fastapi import APIRouter
 from fastapi.responses import Response
@@ -26,9 +35,10 @@ from prometheus_client.registry import Collector
 
 from validation_service.config import Settings
 from validation_service.errors import RegistryUnavailable
-from validation_service.jobs import JobStatus, RunStatus
+from validation_service.jobs import TERMINAL_JOB_STATUSES, JobStatus, RunStatus
+from validation_service.registry.models import utcnow
 from validation_service.registry.registry import Registry
-from validation_service.registry.stats import DurationHistogram, MetricsSnapshot, QueueHealth
+from validation_service.registry.stats import Buckets, JobTimes, MetricsSnapshot, QueueHealth
 
 logger = logging.getLogger(__name__)
 
@@ -38,22 +48,84 @@ DURATION_BUCKETS_S = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 # How long GET /metrics waits for the service actor's status before it counts as down.
 SERVICE_STATUS_TIMEOUT_S = 2.0
+# How far back each scrape re-reads changed jobs (see the module docstring): far more than
+# a transition takes to commit, and than the clocks of the service's hosts drift apart.
+OVERLAP_S = 120.0
+_TERMINAL = frozenset(status.value for status in TERMINAL_JOB_STATUSES)
+
+
+class JobHistogram:
+    """Cumulative per-pool buckets of one duration, fed once from SQL totals, then job by
+    job; remembers the (job, timestamp) pairs it counted inside the overlap window."""
+
+    def __init__(self, bounds: Sequence[float]):
+        self.bounds = tuple(bounds)
+        self.counts: dict[str, list[int]] = {}  # pool -> jobs per bucket, +Inf last
+        self.sums: dict[str, float] = {}
+        self._counted: dict[tuple[int, dt.datetime], dt.datetime] = {}
+
+    def add_totals(self, totals: Buckets) -> None:
+        for pool, buckets in totals.items():
+            counts = self._pool(pool)
+            for index, (jobs, seconds) in buckets.items():
+                counts[index] += jobs
+                self.sums[pool] += seconds
+
+    def add(self, job: JobTimes, at: dt.datetime, seconds: float, cutoff: dt.datetime) -> None:
+        """Counts one job whose event happened ``at``, unless the totals or an earlier
+        scrape already did."""
+        key = (job.id, at)
+        if at <= cutoff or key in self._counted:
+            return
+        self._counted[key] = at
+        self._pool(job.pool)[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sums[job.pool] += seconds
+
+    def forget_before(self, cutoff: dt.datetime) -> None:
+        self._counted = {key: at for key, at in self._counted.items() if at > cutoff}
+
+    def family(self, name: str, documentation: str) -> Metric:
+        family = HistogramMetricFamily(name, documentation, labels=["pool"])
+        bounds = [*(f"{bound:g}" for bound in self.bounds), "+Inf"]
+        for pool in sorted(self.counts):
+            cumulative, running = [], 0
+            for bound, jobs in zip(bounds, self.counts[pool], strict=True):
+                running += jobs
+                cumulative.append((bound, running))
+            family.add_metric([pool], buckets=cumulative, sum_value=self.sums[pool])
+        return family
+
+    def _pool(self, pool: str) -> list[int]:
+        if pool not in self.counts:
+            self.counts[pool] = [0] * (len(self.bounds) + 1)
+            self.sums[pool] = 0.0
+        return self.counts[pool]
 
 
 class RegistryCollector(Collector):
     """The queue, the registrations and the service's health, read at every scrape."""
 
-    def __init__(self, registry: Registry, settings: Settings):
+    def __init__(self, registry: Registry, settings: Settings, *, overlap_s: float = OVERLAP_S):
         self.registry = registry
         self.settings = settings
+        self.overlap = dt.timedelta(seconds=overlap_s)
+        self.durations = JobHistogram(DURATION_BUCKETS_S)
+        self.latencies = JobHistogram(LATENCY_BUCKETS_S)
+        self._cutoff: dt.datetime | None = None  # the histograms hold every event up to it
+        self._lock = threading.Lock()  # scrapes run in FastAPI's thread pool
 
     def collect(self) -> Iterator[Metric]:
         try:
-            snapshot = self.registry.metrics_snapshot(
-                duration_bounds=DURATION_BUCKETS_S,
-                latency_bounds=LATENCY_BUCKETS_S,
-                grace_s=self.settings.lease_s,
-            )
+            with self._lock:
+                snapshot = self._read()
+                durations = self.durations.family(
+                    "ckval_validation_duration_seconds",
+                    "Validation time of jobs that ended, first claim to end (retries included).",
+                )
+                latencies = self.latencies.family(
+                    "ckval_dispatch_latency_seconds",
+                    "Time from enqueue to the first claim of started jobs.",
+                )
         except RegistryUnavailable as exc:
             logger.warning("/metrics: the registry is unreachable: %s", exc)
             snapshot = None
@@ -65,17 +137,36 @@ class RegistryCollector(Collector):
         if snapshot is None:
             return
         yield from _queue_metrics(snapshot)
-        yield _histogram(
-            "ckval_validation_duration_seconds",
-            "Validation time of finished jobs, first claim to finish (retries included).",
-            snapshot.durations,
-        )
-        yield _histogram(
-            "ckval_dispatch_latency_seconds",
-            "Time from enqueue to the first claim of started jobs.",
-            snapshot.dispatch_latencies,
-        )
+        yield durations
+        yield latencies
         yield from self._service_health(snapshot.health)
+
+    def _read(self) -> MetricsSnapshot:
+        """This scrape's snapshot, with the jobs changed since the last one counted."""
+        now = utcnow()
+        if self._cutoff is None:
+            cutoff = now - self.overlap
+            totals = self.registry.job_time_totals(
+                duration_bounds=DURATION_BUCKETS_S, latency_bounds=LATENCY_BUCKETS_S, until=cutoff
+            )
+            self.durations.add_totals(totals[0])
+            self.latencies.add_totals(totals[1])
+            self._cutoff = cutoff
+        snapshot = self.registry.metrics_snapshot(
+            grace_s=self.settings.lease_s, changed_since=self._cutoff
+        )
+        for job in snapshot.changed:
+            if job.started_at is None:
+                continue
+            latency = (job.started_at - job.created_at).total_seconds()
+            self.latencies.add(job, job.started_at, latency, self._cutoff)
+            if job.finished_at is not None and job.status in _TERMINAL:
+                duration = (job.finished_at - job.started_at).total_seconds()
+                self.durations.add(job, job.finished_at, duration, self._cutoff)
+        self._cutoff = max(self._cutoff, now - self.overlap)
+        self.durations.forget_before(self._cutoff)
+        self.latencies.forget_before(self._cutoff)
+        return snapshot
 
     def _service_health(self, health: QueueHealth) -> Iterator[Metric]:
         leases = GaugeMetricFamily(
@@ -148,18 +239,6 @@ def _queue_metrics(snapshot: MetricsSnapshot) -> Iterator[Metric]:
     )
     registered.add_metric([], snapshot.checkpoints_registered)
     yield registered
-
-
-def _histogram(name: str, documentation: str, by_pool: dict[str, DurationHistogram]) -> Metric:
-    family = HistogramMetricFamily(name, documentation, labels=["pool"])
-    for pool, histogram in sorted(by_pool.items()):
-        bounds = [*(f"{bound:g}" for bound in histogram.bounds), "+Inf"]
-        family.add_metric(
-            [pool],
-            buckets=list(zip(bounds, histogram.cumulative, strict=True)),
-            sum_value=histogram.total_s,
-        )
-    return family
 
 
 def metrics_router(registry: Registry, settings: Settings) -> APIRouter:

@@ -291,21 +291,35 @@ class Registry:
 
     @retry_on_disconnect
     def metrics_snapshot(
+        self, *, grace_s: float, changed_since: dt.datetime
+    ) -> stats.MetricsSnapshot:
+        """The queue's figures for /metrics (every namespace: the queue is shared), and the
+        jobs changed since ``changed_since``."""
+        with self.db.read() as session:
+            return stats.metrics_snapshot(
+                session, now=utcnow(), grace_s=grace_s, changed_since=changed_since
+            )
+
+    @retry_on_disconnect
+    def job_time_totals(
         self,
         *,
         duration_bounds: Sequence[float],
         latency_bounds: Sequence[float],
-        grace_s: float,
-    ) -> stats.MetricsSnapshot:
-        """The queue's figures for /metrics (every namespace: the queue is shared)."""
+        until: dt.datetime,
+    ) -> tuple[stats.Buckets, stats.Buckets]:
+        """Validation duration and dispatch latency of the jobs up to ``until``, bucketed
+        by pool in the database (see stats.job_time_totals)."""
         with self.db.read() as session:
-            return stats.metrics_snapshot(
-                session,
-                duration_bounds=duration_bounds,
-                latency_bounds=latency_bounds,
-                now=utcnow(),
-                grace_s=grace_s,
-            )
+            return stats.job_time_totals(session, duration_bounds, latency_bounds, until)
+
+    @retry_on_disconnect
+    def run_jobs(self, run: str) -> list[JobRecord]:
+        """The run's jobs and attempts for display (like validations(), without reading
+        the stored validate_fn payloads)."""
+        with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run)
+            return stats.run_jobs(session, run_id, run)
 
     # ------------------------------------------------------------------- jobs
     @retry_on_disconnect

@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from sqlalchemy import Float, and_, case, cast, func, select
+from sqlalchemy import Float, and_, bindparam, case, cast, func, select
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
 from validation_service.jobs import JobStatus
-from validation_service.registry.models import Checkpoint, MetricValue, Run, ValidationJob
-from validation_service.registry.records import RunRecord, record_from
+from validation_service.registry.models import (
+    Checkpoint,
+    MetricValue,
+    Run,
+    ValidationAttempt,
+    ValidationJob,
+)
+from validation_service.registry.records import AttemptRecord, JobRecord, RunRecord, record_from
 
 Mode = Literal["max", "min"]
 
@@ -58,16 +65,6 @@ class MetricPoint:
     run: str
     report_index: int
     value: float
-
-
-@dataclasses.dataclass(frozen=True)
-class DurationHistogram:
-    """Cumulative bucket counts (one per upper bound, then +Inf), their count and sum."""
-
-    bounds: tuple[float, ...]
-    cumulative: tuple[int, ...]
-    count: int
-    total_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,24 +158,26 @@ def run_page(
 
 
 def _last_activity(session: Session, namespace: str) -> dict[int, dt.datetime]:
-    """Run id -> the latest of its creation, its newest report and its last job change."""
-    reports = (
-        select(Checkpoint.run_id, func.max(Checkpoint.created_at).label("at"))
-        .group_by(Checkpoint.run_id)
-        .subquery()
+    """Run id -> the latest of its creation, its newest report and its last job change.
+
+    Two index seeks per run (the checkpoints' unique (run_id, report_index) and the jobs'
+    (run_id, updated_at)), instead of grouping every checkpoint and job of the namespace.
+    """
+    newest_report = (
+        select(Checkpoint.created_at)
+        .where(Checkpoint.run_id == Run.id)
+        .order_by(Checkpoint.report_index.desc())
+        .limit(1)
+        .scalar_subquery()
     )
-    jobs = (
-        select(ValidationJob.run_id, func.max(ValidationJob.updated_at).label("at"))
-        .group_by(ValidationJob.run_id)
-        .subquery()
+    last_job_change = (
+        select(func.max(ValidationJob.updated_at))
+        .where(ValidationJob.run_id == Run.id)
+        .scalar_subquery()
     )
-    query = (
-        select(Run.id, Run.created_at, reports.c.at, jobs.c.at)
-        .outerjoin(reports, reports.c.run_id == Run.id)
-        .outerjoin(jobs, jobs.c.run_id == Run.id)
-        .where(Run.namespace == namespace)
+    query = select(Run.id, Run.created_at, newest_report, last_job_change).where(
+        Run.namespace == namespace
     )
-    # The UTC type of the columns does not reach a subquery's max(): make those aware here.
     return {
         run_id: max(_aware(t) for t in (created, reported, changed) if t is not None)
         for run_id, created, reported, changed in session.execute(query)
@@ -253,6 +252,39 @@ def active_jobs(session: Session, run_ids: Sequence[int]) -> int:
     )
 
 
+def run_jobs(session: Session, run_id: int, run: str) -> list[JobRecord]:
+    """The run's jobs with their attempts, in two queries of plain columns (a job's stored
+    validate_fn and config, which can be large, are never read)."""
+    attempts: dict[int, list[AttemptRecord]] = {}
+    for row in session.execute(
+        select(ValidationAttempt.job_id, *_ATTEMPT_COLUMNS)
+        .join(ValidationJob, ValidationJob.id == ValidationAttempt.job_id)
+        .where(ValidationJob.run_id == run_id)
+        .order_by(ValidationAttempt.job_id, ValidationAttempt.attempt)
+    ):
+        attempts.setdefault(row.job_id, []).append(record_from(AttemptRecord, row))
+    rows = session.execute(
+        select(*_JOB_COLUMNS, Checkpoint.report_index)
+        .join(Checkpoint, Checkpoint.id == ValidationJob.checkpoint_id)
+        .where(ValidationJob.run_id == run_id)
+        .order_by(ValidationJob.id)
+    )
+    return [
+        record_from(JobRecord, row, run=run, attempt_history=tuple(attempts.get(row.id, ())))
+        for row in rows
+    ]
+
+
+_JOB_COLUMNS = tuple(
+    ValidationJob.__table__.c[f.name]
+    for f in dataclasses.fields(JobRecord)
+    if f.name not in ("run", "report_index", "attempt_history")
+)
+_ATTEMPT_COLUMNS = tuple(
+    ValidationAttempt.__table__.c[f.name] for f in dataclasses.fields(AttemptRecord)
+)
+
+
 # -------------------------------------------------------------- /metrics
 def jobs_by_status_and_pool(session: Session) -> list[tuple[str, str, int]]:
     """(status, pool, jobs) for every pair that has jobs, in one grouped query."""
@@ -271,54 +303,96 @@ def checkpoints_registered(session: Session) -> int:
     return session.scalar(select(func.count()).select_from(Checkpoint)) or 0
 
 
-def job_durations(
-    session: Session, duration_bounds: Sequence[float], latency_bounds: Sequence[float]
-) -> tuple[dict[str, DurationHistogram], dict[str, DurationHistogram]]:
-    """Per pool: the validation duration (first claim -> finish, of terminal jobs) and the
-    dispatch latency (enqueue -> first claim) histograms, bucketed in SQL in one query.
+Buckets = dict[str, dict[int, tuple[int, float]]]  # pool -> bucket index -> (jobs, seconds)
 
-    The database returns a few sums per pool instead of a row per job, so a scrape reads
-    the job rows once and ships a handful of numbers, whatever the number of jobs.
+
+def job_time_totals(
+    session: Session,
+    duration_bounds: Sequence[float],
+    latency_bounds: Sequence[float],
+    until: dt.datetime,
+) -> tuple[Buckets, Buckets]:
+    """Validation duration (first claim -> finish, of jobs that ended) and dispatch latency
+    (enqueue -> first claim) of every job whose finish, resp. first claim, is at or before
+    ``until``, bucketed in SQL: one grouped query each, a row per (pool, bucket) back.
+
+    Bucket i counts the jobs of at most bounds[i] seconds and more than bounds[i - 1];
+    bucket len(bounds) is the rest (+Inf).
     """
-    duration = _seconds_between(session, ValidationJob.started_at, ValidationJob.finished_at)
-    latency = _seconds_between(session, ValidationJob.created_at, ValidationJob.started_at)
-    finished = and_(ValidationJob.status.in_(_TERMINAL), ValidationJob.finished_at.is_not(None))
-    columns: list[Any] = [ValidationJob.pool]
-    for seconds, bounds, where in (
-        (duration, duration_bounds, finished),
-        (latency, latency_bounds, True),
-    ):
-        counted = and_(where, seconds.is_not(None))
-        columns += [_count_if(and_(counted, seconds <= bound)) for bound in bounds]
-        columns += [_count_if(counted), func.coalesce(func.sum(case((counted, seconds))), 0.0)]
-    rows = session.execute(
-        select(*columns).where(ValidationJob.started_at.is_not(None)).group_by(ValidationJob.pool)
-    ).all()
-    durations, latencies = {}, {}
-    n_duration = len(duration_bounds) + 2
-    for row in rows:
-        pool, values = row[0], row[1:]
-        durations[pool] = _histogram(duration_bounds, values[:n_duration])
-        latencies[pool] = _histogram(latency_bounds, values[n_duration:])
-    return durations, latencies
-
-
-def _histogram(bounds: Sequence[float], values: Sequence[Any]) -> DurationHistogram:
-    *buckets, count, total = values
-    return DurationHistogram(
-        tuple(bounds), (*map(int, buckets), int(count)), int(count), float(total or 0.0)
+    dialect = session.get_bind().dialect.name
+    params = {"b_until": until}
+    durations = session.execute(
+        _histogram_query(dialect, "duration", tuple(duration_bounds)), params
     )
+    latencies = session.execute(_histogram_query(dialect, "latency", tuple(latency_bounds)), params)
+    return _bucketed(durations), _bucketed(latencies)
+
+
+@functools.cache
+def _histogram_query(dialect: str, which: str, bounds: tuple[float, ...]):
+    """Built once per histogram: the statement is large, and a scrape must stay cheap."""
+    jobs = ValidationJob
+    until = bindparam("b_until", type_=jobs.finished_at.type)
+    if which == "duration":
+        seconds = _seconds_between(dialect, jobs.started_at, jobs.finished_at)
+        where = [jobs.status.in_(_TERMINAL), jobs.finished_at <= until]
+    else:
+        seconds = _seconds_between(dialect, jobs.created_at, jobs.started_at)
+        where = [jobs.started_at <= until]
+    bucket = case(
+        *((seconds <= bound, index) for index, bound in enumerate(bounds)), else_=len(bounds)
+    ).label("bucket")
+    return (
+        select(jobs.pool, bucket, func.count(), func.sum(seconds))
+        .where(jobs.started_at.is_not(None), *where)
+        .group_by(jobs.pool, bucket)
+    )
+
+
+def _bucketed(rows) -> Buckets:
+    found: Buckets = {}
+    for pool, bucket, count, total in rows:
+        found.setdefault(pool, {})[int(bucket)] = (int(count), float(total or 0.0))
+    return found
 
 
 def _count_if(condition: ColumnElement[bool]) -> ColumnElement[int]:
     return func.coalesce(func.sum(case((condition, 1), else_=0)), 0)
 
 
-def _seconds_between(session: Session, start: Any, end: Any) -> ColumnElement[float]:
-    """end - start in seconds; the one place the dialects differ (date arithmetic)."""
-    if session.get_bind().dialect.name == "postgresql":
+def _seconds_between(dialect: str, start: Any, end: Any) -> ColumnElement[float]:
+    """end - start in seconds; the one place the dialects differ (date arithmetic).
+    SQLite's date functions keep milliseconds."""
+    if dialect == "postgresql":
         return cast(func.extract("epoch", end - start), Float)
     return (func.julianday(end) - func.julianday(start)) * 86400.0
+
+
+@dataclasses.dataclass(frozen=True)
+class JobTimes:
+    """When a job was enqueued, first claimed and ended (what the histograms need)."""
+
+    id: int
+    pool: str
+    status: str
+    created_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+
+
+def jobs_changed_since(session: Session, since: dt.datetime) -> list[JobTimes]:
+    """Jobs any transition touched after ``since`` (a range of the updated_at index).
+
+    Every transition sets updated_at, so a job first claimed or ended after ``since`` is
+    among them.
+    """
+    jobs = ValidationJob
+    rows = session.execute(
+        select(
+            jobs.id, jobs.pool, jobs.status, jobs.created_at, jobs.started_at, jobs.finished_at
+        ).where(jobs.updated_at > since)
+    )
+    return [JobTimes(*row) for row in rows]
 
 
 def queue_health(session: Session, now: dt.datetime, grace_s: float) -> QueueHealth:
@@ -346,30 +420,22 @@ def queue_health(session: Session, now: dt.datetime, grace_s: float) -> QueueHea
 
 @dataclasses.dataclass(frozen=True)
 class MetricsSnapshot:
-    """Everything one /metrics scrape reports, read in one session."""
+    """What one /metrics scrape reads, in one session."""
 
     jobs: list[tuple[str, str, int]]  # (status, pool, jobs)
     runs: dict[str, int]  # run status -> runs
     checkpoints_registered: int
-    durations: dict[str, DurationHistogram]  # pool -> validation duration
-    dispatch_latencies: dict[str, DurationHistogram]  # pool -> enqueue -> first claim
     health: QueueHealth
+    changed: list[JobTimes]  # jobs changed since the scrape's cutoff
 
 
 def metrics_snapshot(
-    session: Session,
-    *,
-    duration_bounds: Sequence[float],
-    latency_bounds: Sequence[float],
-    now: dt.datetime,
-    grace_s: float,
+    session: Session, *, now: dt.datetime, grace_s: float, changed_since: dt.datetime
 ) -> MetricsSnapshot:
-    durations, latencies = job_durations(session, duration_bounds, latency_bounds)
     return MetricsSnapshot(
         jobs=jobs_by_status_and_pool(session),
         runs=runs_by_status(session),
         checkpoints_registered=checkpoints_registered(session),
-        durations=durations,
-        dispatch_latencies=latencies,
         health=queue_health(session, now, grace_s),
+        changed=jobs_changed_since(session, changed_since),
     )
