@@ -274,6 +274,20 @@ def time_endpoints(registry, runs: int, warmup: int, repeats: int) -> list[dict]
     app = create_app(Settings(service_name="ckval-bench-none"), registry)
     results = []
     with TestClient(app) as client:
+        # The first scrape buckets every job so far in SQL; later ones read changes only.
+        start = time.perf_counter()
+        response = client.get("/metrics")
+        first = (time.perf_counter() - start) * 1000
+        assert response.status_code == 200, response.text[:300]
+        results.append(
+            {
+                "endpoint": "/metrics, first scrape (one sample)",
+                "url": "/metrics",
+                "median": first,
+                "p95": first,
+                "bytes": len(response.content),
+            }
+        )
         for name, url in endpoints(runs):
             for _ in range(warmup):
                 assert client.get(url).status_code == 200, url
@@ -333,6 +347,8 @@ def main() -> None:
             print(notes[-1], file=sys.stderr, flush=True)
             for row in time_endpoints(registry, args.runs, args.warmup, args.repeats):
                 ok = "yes" if row["median"] < BUDGET_MS else "**no**"
+                if "first scrape" in row["endpoint"]:
+                    ok = "(once per process)"
                 lines.append(
                     f"| {backend} | {row['endpoint']} | {row['median']:.1f} | {row['p95']:.1f} "
                     f"| {row['bytes']:,} | {ok} |"

@@ -421,3 +421,19 @@ def _answers(url: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+# ---------------------------------------------------------------- benchmark
+def test_benchmark_dashboard_smoke(tmp_path: Path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/bench_dashboard.py", "--smoke", "--backends", "sqlite"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "CKVAL_HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| sqlite |")]
+    assert len(rows) == 9  # every endpoint, and the first /metrics scrape
+    assert any("| /metrics |" in row for row in rows)
