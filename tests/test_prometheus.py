@@ -226,3 +226,20 @@ def test_histograms_from_sql_totals_then_job_by_job_without_double_counting(
 def _done() -> JobOutcome:
     now = dt.datetime.now(dt.timezone.utc)
     return JobOutcome(succeeded=True, metrics={"accuracy": 0.5}, started_at=now, finished_at=now)
+
+
+@pytest.mark.ray
+def test_service_up_asks_the_service_actor_where_ray_runs(service):
+    """Inside `ckval serve` Ray runs in the API's process: the actor itself answers."""
+    from validation_service.config import get_settings
+
+    settings = get_settings()
+    registry = Registry(settings=settings)
+    try:
+        families = _scrape(registry, settings)
+        assert _one(families, "ckval_service_up", source="actor") == 1
+        # Another service name on the same cluster: no actor answers.
+        absent = settings.model_copy(update={"service_name": "ckval-prometheus-test-none"})
+        assert _one(_scrape(registry, absent), "ckval_service_up", source="actor") == 0
+    finally:
+        registry.close()
