@@ -273,7 +273,7 @@ def time_endpoints(registry, runs: int, warmup: int, repeats: int) -> list[dict]
 
     app = create_app(Settings(service_name="ckval-bench-none"), registry)
     results = []
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         # The first scrape buckets every job so far in SQL; later ones read changes only.
         start = time.perf_counter()
         response = client.get("/metrics")

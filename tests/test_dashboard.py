@@ -269,7 +269,8 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
     registry = Registry(f"sqlite:///{tmp_path}/registry.db")
     jobs = _register(registry, tmp_path, "alpha", [0.9, 0.7])
     _finish(registry, {job: _validated(0.5) for job in jobs})
-    with TestClient(create_app(SETTINGS, registry)) as test_client:
+    # localhost: the API answers only to the names it is served under.
+    with TestClient(create_app(SETTINGS, registry), base_url="http://localhost") as test_client:
         yield test_client
     registry.close()
 

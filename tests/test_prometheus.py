@@ -47,7 +47,7 @@ def _report(registry: Registry, tmp_path: Path, run: str, pool: str, n: int) -> 
 
 def _scrape(registry: Registry, settings: Settings = SETTINGS) -> dict[str, dict]:
     """Metric family name -> {(sample name, sorted labels): value}."""
-    with TestClient(create_app(settings, registry)) as client:
+    with TestClient(create_app(settings, registry), base_url="http://localhost") as client:
         response = client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
