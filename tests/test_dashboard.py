@@ -353,8 +353,7 @@ def test_pages_name_no_outside_address(client: TestClient):
 
 
 # ----------------------------------------------------------- pagination, order
-def test_runs_are_paged_newest_activity_first(tmp_path: Path):
-    registry = Registry(f"sqlite:///{tmp_path}/registry.db")
+def test_runs_are_paged_newest_activity_first(registry: Registry, tmp_path: Path):
     for name in ("r0", "r1", "r2"):
         _register(registry, tmp_path, name, [1.0])
     _register_more(registry, tmp_path, "r0", 1, 0.5)  # r0 is now the most recent
@@ -365,7 +364,10 @@ def test_runs_are_paged_newest_activity_first(tmp_path: Path):
     assert first.total == second.total == 3 and first.mode == "min"
     assert first.runs[0].best == 0.5 and first.runs[0].checkpoints == 2
     assert first.runs[0].job_counts == {"QUEUED": 2}
-    registry.close()
+    # A job's change is activity too: finishing r1's job (the last change) moves it first.
+    r1_job = registry.validations("r1")[0].id
+    _finish(registry, {r1_job: _validated(0.7)})
+    assert registry.run_page(per_page=3).runs[0].run.name == "r1"
 
 
 # ----------------------------------------------------------------- ckval ui

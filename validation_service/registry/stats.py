@@ -118,12 +118,21 @@ def run_page(
     ``metric`` None ranks by the first metric the page's runs recorded; ``mode`` None takes
     the usual direction of the metric's name (see default_mode).
     """
-    activity = _last_activity(session, namespace)
-    ordered = sorted(activity.items(), key=lambda item: (item[1], item[0]), reverse=True)
-    chosen = ordered[(page - 1) * per_page : page * per_page]
+    total = session.scalar(select(func.count()).where(Run.namespace == namespace)) or 0
+    last_activity = _last_activity(session.get_bind().dialect.name)
+    chosen = [
+        (run_id, _aware(at))
+        for run_id, at in session.execute(
+            select(Run.id, last_activity)
+            .where(Run.namespace == namespace)
+            .order_by(last_activity.desc(), Run.id.desc())
+            .limit(per_page)
+            .offset((page - 1) * per_page)
+        )
+    ]
     ids = [run_id for run_id, _ in chosen]
     if not ids:
-        return RunPage([], page, per_page, len(ordered), [], 0, metric, mode or "max")
+        return RunPage([], page, per_page, total, [], 0, metric, mode or "max")
     runs = {
         run.id: record_from(RunRecord, run)
         for run in session.scalars(select(Run).where(Run.id.in_(ids)))
@@ -154,14 +163,15 @@ def run_page(
         )
         for run_id, last in chosen
     ]
-    return RunPage(rows, page, per_page, len(ordered), names, active, metric, mode)
+    return RunPage(rows, page, per_page, total, names, active, metric, mode)
 
 
-def _last_activity(session: Session, namespace: str) -> dict[int, dt.datetime]:
-    """Run id -> the latest of its creation, its newest report and its last job change.
+def _last_activity(dialect: str) -> ColumnElement[dt.datetime]:
+    """A run's last activity: the latest of its creation, its newest report and its last
+    job change.
 
     Two index seeks per run (the checkpoints' unique (run_id, report_index) and the jobs'
-    (run_id, updated_at)), instead of grouping every checkpoint and job of the namespace.
+    (run_id, updated_at)); the database sorts and pages, so only a page of rows comes back.
     """
     newest_report = (
         select(Checkpoint.created_at)
@@ -175,13 +185,18 @@ def _last_activity(session: Session, namespace: str) -> dict[int, dt.datetime]:
         .where(ValidationJob.run_id == Run.id)
         .scalar_subquery()
     )
-    query = select(Run.id, Run.created_at, newest_report, last_job_change).where(
-        Run.namespace == namespace
+    if dialect == "postgresql":  # GREATEST skips NULLs
+        return func.greatest(
+            Run.created_at, newest_report, last_job_change, type_=Run.created_at.type
+        )
+    # SQLite's max() of several arguments is NULL if one is: a run without reports or jobs
+    # falls back on its creation. Its timestamps are ISO text, which sorts as time does.
+    return func.max(
+        Run.created_at,
+        func.coalesce(newest_report, Run.created_at),
+        func.coalesce(last_job_change, Run.created_at),
+        type_=Run.created_at.type,
     )
-    return {
-        run_id: max(_aware(t) for t in (created, reported, changed) if t is not None)
-        for run_id, created, reported, changed in session.execute(query)
-    }
 
 
 def _aware(value: dt.datetime | str) -> dt.datetime:
