@@ -169,7 +169,7 @@ def _run_fields(record: RunRecord) -> dict[str, Any]:
         "status": record.status,
         "created_at": iso(record.created_at),
         "storage_root": record.storage_root,
-        "tags": record.tags,
+        "tags": encode_non_finite(record.tags),
     }
 
 
@@ -182,7 +182,7 @@ def _checkpoint_fields(record: CheckpointRecord) -> dict[str, Any]:
         "validation_status": record.validation_status,
         "metrics": encode_non_finite(record.metrics),
         "aliases": list(getattr(record, "aliases", None) or []),
-        "tags": dict(getattr(record, "tags", None) or {}),
+        "tags": encode_non_finite(dict(getattr(record, "tags", None) or {})),
         "size_bytes": record.size_bytes,
         "uri": record.uri,
         "created_at": iso(record.created_at),
