@@ -31,6 +31,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from validation_service.config import Settings, get_settings
+from validation_service.dashboard import dashboard_router, metrics_router
 from validation_service.errors import (
     CkvalError,
     InvalidInput,
@@ -156,6 +157,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     from validation_service.api_registry import registry_router
 
     app.include_router(registry_router(registry, settings))
+    app.include_router(dashboard_router(registry, settings))
+    app.include_router(metrics_router(registry, settings))
     return app
 
 

@@ -18,6 +18,7 @@ import click
 
 from validation_service.cli_registry import COMMANDS as REGISTRY_COMMANDS
 from validation_service.cli_registry import run_rows, status_option
+from validation_service.dashboard.cli import ui_command
 from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus
 
 if TYPE_CHECKING:
@@ -682,7 +683,7 @@ def stop(ctx: click.Context) -> None:
     click.echo(f"stopped the ckval service {handle.settings.service_name!r}")
 
 
-for _command in REGISTRY_COMMANDS:
+for _command in (*REGISTRY_COMMANDS, ui_command):
     main.add_command(_command)
 
 if __name__ == "__main__":

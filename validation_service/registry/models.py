@@ -130,6 +130,9 @@ class ValidationJob(Base):
     __table_args__ = (
         Index("ix_validation_jobs_due", "status", "pool", "priority", "not_before"),
         Index("ix_validation_jobs_lease", "status", "lease_expires_at"),
+        # The dashboard's last activity per run and /metrics' changes since a scrape.
+        Index("ix_validation_jobs_run_updated", "run_id", "updated_at"),
+        Index("ix_validation_jobs_updated", "updated_at"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

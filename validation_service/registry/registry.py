@@ -35,7 +35,7 @@ from validation_service.metrics import lower_is_better, normalize_metrics
 from validation_service.names import check_name
 from validation_service.progress import ProgressRenderer
 from validation_service.registry import aliases as alias_store
-from validation_service.registry import retention, search, transitions
+from validation_service.registry import retention, search, stats, transitions
 from validation_service.registry.catalog import Catalog, Mode, check_run_name, checkpoint_row
 from validation_service.registry.database import Database, retry_on_disconnect
 from validation_service.registry.models import utcnow
@@ -637,6 +637,89 @@ class Registry:
         from validation_service.storage import ray_checkpoint
 
         return ray_checkpoint(record.uri, self.settings.storage_options)
+
+    # ------------------------------------------------- dashboard and /metrics
+    @retry_on_disconnect
+    def run_page(
+        self,
+        *,
+        page: int = 1,
+        per_page: int = 50,
+        metric: str | None = None,
+        mode: Mode | None = None,
+    ) -> stats.RunPage:
+        """One page of the namespace's runs, newest activity first, with their counts and
+        best value of ``metric`` (None: the first one they recorded), in grouped queries."""
+        with self.db.read() as session:
+            return stats.run_page(
+                session, self.namespace, page=page, per_page=per_page, metric=metric, mode=mode
+            )
+
+    @retry_on_disconnect
+    def run_record(self, run: str) -> RunRecord:
+        """The named run of this namespace; RunNotFound otherwise."""
+        with self.db.read() as session:
+            record = stats.run_record(session, self.namespace, run)
+            if record is None:
+                self.catalog.require_run_id(session, run)  # raises RunNotFound with hints
+            assert record is not None
+            return record
+
+    @retry_on_disconnect
+    def metric_series(self, runs: Sequence[str], metric: str) -> dict[str, list[stats.MetricPoint]]:
+        """Run -> the effective values of ``metric`` by report index, for several runs.
+
+        Raises RunNotFound for an unknown run, and UnknownMetric when none of the runs has
+        recorded the metric and none has a validation still to come.
+        """
+        with self.db.read() as session:
+            run_ids = {self.catalog.require_run_id(session, run): run for run in runs}
+            series = stats.metric_series(session, run_ids, metric)
+            if any(series.values()) or stats.active_jobs(session, list(run_ids)):
+                return series
+            known = stats.run_metric_names(session, list(run_ids))
+            if metric in known:
+                return series
+            raise UnknownMetric(metric, runs[0] if len(runs) == 1 else None, known)
+
+    @retry_on_disconnect
+    def active_job_count(self, runs: Sequence[str]) -> int:
+        """QUEUED and RUNNING jobs of the named runs."""
+        with self.db.read() as session:
+            run_ids = [self.catalog.require_run_id(session, run) for run in runs]
+            return stats.active_jobs(session, run_ids)
+
+    @retry_on_disconnect
+    def metrics_snapshot(
+        self, *, grace_s: float, changed_since: dt.datetime
+    ) -> stats.MetricsSnapshot:
+        """The queue's figures for /metrics (every namespace: the queue is shared), and the
+        jobs changed since ``changed_since``."""
+        with self.db.read() as session:
+            return stats.metrics_snapshot(
+                session, now=utcnow(), grace_s=grace_s, changed_since=changed_since
+            )
+
+    @retry_on_disconnect
+    def job_time_totals(
+        self,
+        *,
+        duration_bounds: Sequence[float],
+        latency_bounds: Sequence[float],
+        until: dt.datetime,
+    ) -> tuple[stats.Buckets, stats.Buckets]:
+        """Validation duration and dispatch latency of the jobs up to ``until``, bucketed
+        by pool in the database (see stats.job_time_totals)."""
+        with self.db.read() as session:
+            return stats.job_time_totals(session, duration_bounds, latency_bounds, until)
+
+    @retry_on_disconnect
+    def run_jobs(self, run: str) -> list[JobRecord]:
+        """The run's jobs and attempts for display (like validations(), without reading
+        the stored validate_fn payloads)."""
+        with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run)
+            return stats.run_jobs(session, run_id, run)
 
     # ------------------------------------------------------------------- jobs
     @retry_on_disconnect

@@ -1,0 +1,454 @@
+"""The dashboard in a real browser (Debian's Chromium driven by Playwright) over a real SQLite
+registry served by uvicorn; its bad inputs, pagination and `ckval ui` without a browser."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from click.testing import CliRunner
+from fastapi.testclient import TestClient
+
+from validation_service.api import create_app
+from validation_service.cli import main as ckval_main
+from validation_service.config import Settings
+from validation_service.dashboard.cli import ui_command
+from validation_service.registry.records import JobOutcome
+from validation_service.registry.registry import Registry
+from validation_service.request import ValidationRequest
+
+CHROMIUM = "/usr/bin/chromium"
+REPO = Path(__file__).resolve().parent.parent
+SETTINGS = Settings(service_name="ckval-dashboard-test-none")
+SPEC = ValidationRequest(
+    executor_kind="ray_task", pool="CPU", validate_fn_name="f", validate_fn_ref="json:dumps"
+)
+ALPHA_ACCURACY = [0.61, 0.72, 0.70, 0.83]  # validated reports 0-3; 4 fails, 5 stays queued
+BETA_ACCURACY = [0.55, 0.66, 0.79]
+WAIT_MS = 20_000
+
+
+@dataclasses.dataclass
+class Served:
+    registry: Registry
+    url: str
+    queued_job: int  # alpha's report 5, still QUEUED
+
+
+def _register(registry: Registry, root: Path, run: str, losses: list[float]) -> list[int]:
+    run_id = registry.ensure_run(run, storage_root=str(root))
+    return [
+        registry.register_checkpoint(
+            run_id,
+            index,
+            uri=f"{root}/{run}/checkpoint_{index:06d}",
+            size_bytes=2048 * (index + 1),
+            manifest_sha256=None,
+            reported_metrics={"loss": loss, "grad_norm": math.inf if index == 1 else 1.0},
+            step=100 * index,
+            job=SPEC,
+        ).job_id
+        for index, loss in enumerate(losses)
+    ]
+
+
+def _finish(registry: Registry, outcomes: dict[int, JobOutcome]) -> None:
+    """Claims the due jobs as a scheduler would and records the given outcomes."""
+    tokens = {
+        c.job_id: c.lease_token
+        for c in registry.claim_due_jobs("dashboard-test", {"CPU": 100}, lease_s=600)
+    }
+    for job_id, outcome in outcomes.items():
+        assert registry.finish_job(job_id, tokens[job_id], outcome)
+
+
+def _validated(accuracy: float) -> JobOutcome:
+    now = dt.datetime.now(dt.timezone.utc)
+    return JobOutcome(
+        succeeded=True, metrics={"accuracy": accuracy}, started_at=now, finished_at=now
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout_s:g}s")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    """Two runs in a SQLite registry, served by uvicorn on a loopback port in a thread."""
+    registry = Registry(f"sqlite:///{tmp_path}/registry.db")
+    alpha = _register(registry, tmp_path, "alpha", [0.9, 0.7, 0.6, 0.5])
+    beta = _register(registry, tmp_path, "beta", [1.0, 0.8, 0.6])
+    outcomes = {job: _validated(a) for job, a in zip(alpha, ALPHA_ACCURACY, strict=True)}
+    outcomes |= {job: _validated(a) for job, a in zip(beta, BETA_ACCURACY, strict=True)}
+    _finish(registry, outcomes)
+    failing = _register_more(registry, tmp_path, "alpha", 4, 0.45)
+    _finish(
+        registry,
+        {
+            failing: JobOutcome(
+                succeeded=False,
+                error_type="ValueError",
+                error_message="checkpoint has no 'model' key",
+                error_traceback='Traceback (most recent call last):\n  File "eval.py", '
+                "line 3, in validate\nValueError: checkpoint has no 'model' key",
+                retryable=False,
+            )
+        },
+    )
+    queued = _register_more(registry, tmp_path, "alpha", 5, 0.4)
+
+    port = _free_port()
+    config = uvicorn.Config(
+        create_app(SETTINGS, registry), host="127.0.0.1", port=port, log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    _wait_until(lambda: server.started, "uvicorn start")
+    yield Served(registry, f"http://127.0.0.1:{port}", queued)
+    server.should_exit = True
+    thread.join(timeout=30)
+    registry.close()
+
+
+def _register_more(registry: Registry, root: Path, run: str, index: int, loss: float) -> int:
+    run_id = registry.ensure_run(run, storage_root=str(root))
+    return registry.register_checkpoint(
+        run_id,
+        index,
+        uri=f"{root}/{run}/checkpoint_{index:06d}",
+        size_bytes=4096,
+        manifest_sha256=None,
+        reported_metrics={"loss": loss},
+        step=100 * index,
+        job=SPEC,
+    ).job_id
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.path.exists(CHROMIUM):
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is required in CI (.ci/setup installs it)")
+        pytest.skip(f"no {CHROMIUM}: install Debian's chromium package")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield page
+    context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+def _series(page, metric: str, index: int) -> list:
+    return page.evaluate(f"window.ckval.plots[{metric!r}].data[{index}]")
+
+
+# ------------------------------------------------------------------ browser
+def test_runs_page_lists_runs_with_counts_and_best_metric(served: Served, page):
+    page.goto(f"{served.url}/ui/?metric=accuracy")
+    page.wait_for_selector("#runs tbody tr[data-run='alpha']")
+    names = page.eval_on_selector_all("#runs tbody tr", "rows => rows.map(r => r.dataset.run)")
+    assert names == ["alpha", "beta"]  # alpha changed last
+    cells = page.eval_on_selector_all(
+        "#runs tr[data-run='alpha'] td", "cells => cells.map(c => c.textContent)"
+    )
+    # checkbox, name, namespace, status, checkpoints, validated, queued, running, failed, best
+    assert cells[1:10] == ["alpha", "default", "RUNNING", "6", "4", "1", "0", "1", "0.83"]
+    options = page.eval_on_selector_all("#metric option", "o => o.map(x => x.value)")
+    assert {"accuracy", "loss", "grad_norm"} <= set(options)
+    # Choosing another metric re-ranks without reloading the page: loss is lower-is-better.
+    page.select_option("#metric", "loss")
+    page.wait_for_function(
+        "document.querySelector(\"#runs tr[data-run='beta'] td.best\").textContent === '0.6'",
+        timeout=WAIT_MS,
+    )
+    assert page.input_value("#mode") == "min"
+    assert page.text_content("#runs tr[data-run='alpha'] td.best") == "0.4"
+
+
+def test_run_page_plots_each_metric_with_its_best_point(served: Served, page):
+    page.goto(f"{served.url}/ui/runs/alpha")
+    page.wait_for_selector(".plot[data-metric='accuracy'] canvas")
+    assert _series(page, "accuracy", 0) == [0, 1, 2, 3, 4, 5]  # report indexes
+    assert _series(page, "accuracy", 2) == [*ALPHA_ACCURACY, None, None]  # validated
+    best = _series(page, "accuracy", 3)
+    assert best == [None, None, None, 0.83, None, None]
+    assert _series(page, "loss", 1) == [0.9, 0.7, 0.6, 0.5, 0.45, 0.4]  # reported
+    assert _series(page, "loss", 3)[5] == 0.4  # lowest loss is best
+    # grad_norm was infinite at report 1: no point there.
+    assert _series(page, "grad_norm", 1)[1] is None
+    assert page.locator(".plot canvas").count() == 3
+    assert "best 0.83 at report 3" in page.text_content(".plot[data-metric='accuracy'] h3")
+    assert page.locator("#checkpoints tbody tr").count() == 6
+    assert page.locator("#timeline svg g.job").count() == 6
+
+
+def test_run_page_expands_a_failed_jobs_traceback(served: Served, page):
+    page.goto(f"{served.url}/ui/runs/alpha")
+    details = page.locator("#jobs details")
+    details.wait_for()
+    assert "ValueError: checkpoint has no 'model' key" in details.locator("summary").inner_text()
+    assert not page.locator("#jobs details pre").is_visible()
+    details.locator("summary").click()
+    assert "line 3, in validate" in page.locator("#jobs details pre").inner_text()
+
+
+def test_run_page_updates_when_a_validation_finishes(served: Served, page):
+    page.goto(f"{served.url}/ui/runs/alpha")
+    page.wait_for_selector(".plot[data-metric='accuracy'] canvas")
+    assert page.text_content("#checkpoints tr[data-report='5'] .status") == "PENDING"
+    _finish(served.registry, {served.queued_job: _validated(0.91)})
+    page.wait_for_function("window.ckval.plots.accuracy.data[2][5] === 0.91", timeout=WAIT_MS)
+    page.wait_for_function(
+        "document.querySelector(\"#checkpoints tr[data-report='5'] .status\").textContent"
+        " === 'VALIDATED'",
+        timeout=WAIT_MS,
+    )
+    assert _series(page, "accuracy", 3)[5] == 0.91  # the new best
+    assert page.text_content(f"#jobs tr[data-job='{served.queued_job}'] .status") == "SUCCEEDED"
+    if os.environ.get("CKVAL_WRITE_SCREENSHOT") == "1":
+        page.screenshot(path=str(REPO / "docs" / "dashboard.png"), full_page=True)
+
+
+def test_compare_page_plots_one_metric_of_several_runs(served: Served, page):
+    page.goto(f"{served.url}/ui/compare?runs=alpha,beta&metric=accuracy")
+    page.wait_for_selector("#compare-plot canvas")
+    data = page.evaluate("window.ckval.plots.compare.data")
+    assert data[0] == [0, 1, 2, 3]
+    assert data[1] == ALPHA_ACCURACY
+    assert data[2] == [*BETA_ACCURACY, None]
+    legend = page.eval_on_selector_all("#compare-legend a", "a => a.map(x => x.textContent)")
+    assert legend == ["alpha", "beta"]
+
+
+def test_runs_page_compare_button_opens_the_comparison(served: Served, page):
+    page.goto(f"{served.url}/ui/?metric=accuracy")
+    page.check("#runs tr[data-run='alpha'] input")
+    page.check("#runs tr[data-run='beta'] input")
+    page.click("#compare")
+    page.wait_for_selector("#compare-plot canvas")
+    assert page.evaluate("window.ckval.plots.compare.series.length") == 3  # x + two runs
+
+
+# ------------------------------------------------------- bad input, no browser
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[TestClient]:
+    registry = Registry(f"sqlite:///{tmp_path}/registry.db")
+    jobs = _register(registry, tmp_path, "alpha", [0.9, 0.7])
+    _finish(registry, {job: _validated(0.5) for job in jobs})
+    # localhost: the API answers only to the names it is served under.
+    with TestClient(create_app(SETTINGS, registry), base_url="http://localhost") as test_client:
+        yield test_client
+    registry.close()
+
+
+def test_unknown_run_page_is_404_naming_the_run(client: TestClient):
+    response = client.get("/ui/runs/nope")
+    assert response.status_code == 404
+    assert "text/html" in response.headers["content-type"]
+    assert "No run named &#39;nope&#39;" in response.text and "Known runs: alpha" in response.text
+
+
+def test_unknown_run_data_is_404_json(client: TestClient):
+    response = client.get("/ui/api/runs/nope")
+    assert response.status_code == 404
+    assert response.json()["error"] == "RunNotFound"
+
+
+def test_compare_with_no_run_names_is_422(client: TestClient):
+    response = client.get("/ui/api/compare", params={"runs": " , ", "metric": "loss"})
+    assert response.status_code == 422
+    assert "names no run" in response.json()["detail"]
+
+
+def test_compare_of_too_many_runs_is_422(client: TestClient):
+    runs = ",".join(f"run-{i}" for i in range(21))
+    response = client.get("/ui/api/compare", params={"runs": runs, "metric": "loss"})
+    assert response.status_code == 422
+    assert "at most 20" in response.json()["detail"]
+
+
+def test_compare_without_a_metric_is_422(client: TestClient):
+    response = client.get("/ui/compare", params={"runs": "alpha"})
+    assert response.status_code == 422
+    assert "compare needs metric=NAME" in response.text
+
+
+def test_compare_of_an_unknown_metric_is_404_listing_the_known_ones(client: TestClient):
+    response = client.get("/ui/api/compare", params={"runs": "alpha", "metric": "bleu"})
+    assert response.status_code == 404
+    detail = response.json()["detail"]
+    assert "'bleu'" in detail and "accuracy, grad_norm, loss" in detail
+
+
+def test_compare_of_an_unknown_run_is_404(client: TestClient):
+    response = client.get("/ui/compare", params={"runs": "alpha,nope", "metric": "loss"})
+    assert response.status_code == 404
+    assert "No run named &#39;nope&#39;" in response.text
+
+
+def test_page_number_below_one_is_422(client: TestClient):
+    response = client.get("/ui/api/runs", params={"page": 0})
+    assert response.status_code == 422
+    assert "page" in response.json()["detail"]
+
+
+def test_unknown_mode_is_422(client: TestClient):
+    response = client.get("/ui/api/runs", params={"mode": "best"})
+    assert response.status_code == 422
+    assert "mode" in response.json()["detail"]
+
+
+def test_unknown_static_file_is_404(client: TestClient):
+    response = client.get("/ui/static/../api.py")
+    assert response.status_code == 404
+    response = client.get("/ui/static/app.js")
+    assert response.status_code == 404
+    assert "dashboard.js" in response.json()["detail"]
+
+
+def test_vendored_uplot_and_its_licence_are_served(client: TestClient):
+    script = client.get("/ui/static/uPlot.iife.min.js")
+    assert script.status_code == 200 and "uPlot" in script.text[:200]
+    assert "MIT License" in client.get("/ui/static/LICENSE.uPlot").text
+
+
+def test_pages_name_no_outside_address(client: TestClient):
+    for url in ("/ui/", "/ui/runs/alpha", "/ui/compare?runs=alpha&metric=loss"):
+        html = client.get(url).text
+        assert "http://" not in html and "https://" not in html, url
+
+
+# ----------------------------------------------------------- pagination, order
+def test_runs_are_paged_newest_activity_first(registry: Registry, tmp_path: Path):
+    for name in ("r0", "r1", "r2"):
+        _register(registry, tmp_path, name, [1.0])
+    _register_more(registry, tmp_path, "r0", 1, 0.5)  # r0 is now the most recent
+    first = registry.run_page(page=1, per_page=2, metric="loss")
+    second = registry.run_page(page=2, per_page=2, metric="loss")
+    assert [r.run.name for r in first.runs] == ["r0", "r2"]
+    assert [r.run.name for r in second.runs] == ["r1"]
+    assert first.total == second.total == 3 and first.mode == "min"
+    assert first.runs[0].best == 0.5 and first.runs[0].checkpoints == 2
+    assert first.runs[0].job_counts == {"QUEUED": 2}
+    # A job's change is activity too: finishing r1's job (the last change) moves it first.
+    r1_job = registry.validations("r1")[0].id
+    _finish(registry, {r1_job: _validated(0.7)})
+    assert registry.run_page(per_page=3).runs[0].run.name == "r1"
+
+
+# ----------------------------------------------------------------- ckval ui
+def test_ckval_ui_rejects_a_port_out_of_range():
+    result = CliRunner().invoke(ui_command, ["--port", "70000"])
+    assert result.exit_code == 2
+    assert "70000 is not a TCP port" in result.output
+
+
+def test_ckval_ui_refuses_an_open_address_without_a_token(tmp_path: Path, monkeypatch):
+    monkeypatch.delenv("CKVAL_API_TOKEN", raising=False)
+    url = f"sqlite:///{tmp_path}/registry.db"
+    result = CliRunner().invoke(
+        ckval_main, ["--database-url", url, "ui", "--host", "0.0.0.0", "--port", "1"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "without a token" in result.output and "CKVAL_API_TOKEN" in result.output
+    assert not (tmp_path / "registry.db").exists()  # refused before the registry opened
+
+
+def test_ckval_ui_names_a_database_it_cannot_open(tmp_path: Path):
+    missing = f"sqlite:///{tmp_path}/no-such-dir/registry.db"
+    result = CliRunner().invoke(ui_command, ["--port", "1"], env={"CKVAL_DATABASE_URL": missing})
+    assert result.exit_code == 1
+    assert "no-such-dir" in result.output
+
+
+def test_ckval_ui_serves_dashboard_and_metrics_without_ray(tmp_path: Path):
+    registry = Registry(f"sqlite:///{tmp_path}/registry.db")
+    _register(registry, tmp_path, "alpha", [0.9])
+    registry.close()
+    port = _free_port()
+    env = {
+        **os.environ,
+        "CKVAL_DATABASE_URL": f"sqlite:///{tmp_path}/registry.db",
+        "PYTHONPATH": str(REPO),
+    }
+    program = "from validation_service.dashboard.cli import ui_command; ui_command()"
+    process = subprocess.Popen(
+        [sys.executable, "-c", program, "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until(lambda: _answers(f"{base}/healthz"), "ckval ui answering", timeout_s=120)
+        with urllib.request.urlopen(f"{base}/ui/") as response:
+            assert b"ckval" in response.read()
+        with urllib.request.urlopen(f"{base}/metrics") as response:
+            assert b'ckval_jobs{pool="CPU",status="QUEUED"} 1.0' in response.read()
+        # The service route says Ray is not running in this process: ckval ui started none.
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(f"{base}/service")
+        assert raised.value.code == 503
+        assert b"Ray is not initialized" in raised.value.read()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- benchmark
+def test_benchmark_dashboard_smoke(tmp_path: Path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/bench_dashboard.py", "--smoke", "--backends", "sqlite"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "CKVAL_HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| sqlite |")]
+    assert len(rows) == 9  # every endpoint, and the first /metrics scrape
+    assert any("| /metrics |" in row for row in rows)

@@ -1,0 +1,222 @@
+"""The dashboard's JSON: a page of runs, one run's series, timeline and tables, a comparison.
+
+The pages embed the same JSON their data endpoints return, so the first paint and every
+refresh go through one renderer in dashboard.js.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from typing import Any
+from urllib.parse import quote
+
+from validation_service.errors import InvalidInput
+from validation_service.jobs import JobStatus
+from validation_service.metrics import encode_non_finite
+from validation_service.registry.records import CheckpointRecord, JobRecord, RunRecord
+from validation_service.registry.registry import Registry
+from validation_service.registry.stats import Mode, RunPage, default_mode
+from validation_service.views import iso
+
+# More runs than this in one plot is unreadable; the page says so instead of drawing it.
+MAX_COMPARED_RUNS = 20
+_ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+
+
+def run_url(base: str, run: str) -> str:
+    return f"{base}/runs/{quote(run, safe='')}"
+
+
+def runs_json(page: RunPage, base: str) -> dict[str, Any]:
+    rows = []
+    for item in page.runs:
+        counts = item.job_counts
+        rows.append(
+            {
+                "name": item.run.name,
+                "namespace": item.run.namespace,
+                "status": item.run.status,
+                "checkpoints": item.checkpoints,
+                "validated": counts.get(JobStatus.SUCCEEDED.value, 0),
+                "queued": counts.get(JobStatus.QUEUED.value, 0),
+                "running": counts.get(JobStatus.RUNNING.value, 0),
+                "failed": counts.get(JobStatus.FAILED.value, 0)
+                + counts.get(JobStatus.TIMED_OUT.value, 0),
+                "best": _finite(item.best),
+                "last_activity": iso(item.last_activity),
+                "url": run_url(base, item.run.name),
+            }
+        )
+    return {
+        "page": page.page,
+        "per_page": page.per_page,
+        "total": page.total,
+        "pages": max(1, math.ceil(page.total / page.per_page)),
+        "metric": page.metric,
+        "mode": page.mode,
+        "metrics": page.metrics,
+        "active_jobs": page.active_jobs,
+        "runs": rows,
+    }
+
+
+def run_json(registry: Registry, run: str, base: str) -> dict[str, Any]:
+    """One run: its record, a series per metric, its checkpoints and its jobs."""
+    record = registry.run_record(run)
+    checkpoints = registry.checkpoints(run)
+    jobs = registry.run_jobs(run)
+    return {
+        "run": _run_fields(record),
+        "url": run_url(base, run),
+        "active_jobs": sum(1 for job in jobs if job.status in _ACTIVE),
+        "now": now_iso(),  # running jobs' bars end here on the timeline
+        "series": series_by_metric(checkpoints),
+        "checkpoints": [_checkpoint_fields(c) for c in checkpoints],
+        "jobs": [_job_fields(job) for job in jobs],
+    }
+
+
+def series_by_metric(checkpoints: list[CheckpointRecord]) -> dict[str, dict[str, Any]]:
+    """Metric -> the reported and the validated values over report index, aligned on the
+    run's report indexes (None where a checkpoint has no finite value), and the best point
+    of the merged values."""
+    names: list[str] = []
+    for c in checkpoints:
+        for values in (c.reported_metrics, c.validated_metrics or {}):
+            names.extend(n for n, v in values.items() if _finite(v) is not None and n not in names)
+    x = [c.report_index for c in checkpoints]
+    series = {}
+    for name in names:
+        mode = default_mode(name)
+        merged = [_finite(c.metrics.get(name)) for c in checkpoints]
+        best = _best_index(merged, mode)
+        series[name] = {
+            "mode": mode,
+            "x": x,
+            "reported": [_finite(c.reported_metrics.get(name)) for c in checkpoints],
+            "validated": [_finite((c.validated_metrics or {}).get(name)) for c in checkpoints],
+            "best": None if best is None else {"report_index": x[best], "value": merged[best]},
+        }
+    return series
+
+
+def compare_json(
+    registry: Registry, runs_param: str, metric: str | None, mode: Mode | None, base: str
+) -> dict[str, Any]:
+    """Several runs' values of one metric, aligned on the union of their report indexes."""
+    runs = parse_runs(runs_param)
+    if not metric:
+        raise InvalidInput(
+            "compare needs metric=NAME, the metric to plot for runs "
+            f"{', '.join(runs)}; open a run's page to see the metrics it recorded."
+        )
+    series = registry.metric_series(runs, metric)
+    x = sorted({point.report_index for points in series.values() for point in points})
+    position = {index: i for i, index in enumerate(x)}
+    aligned: dict[str, list[float | None]] = {}
+    for run, points in series.items():
+        values: list[float | None] = [None] * len(x)
+        for point in points:
+            values[position[point.report_index]] = _finite(point.value)
+        aligned[run] = values
+    return {
+        "metric": metric,
+        "mode": mode or default_mode(metric),
+        "runs": runs,
+        "urls": {run: run_url(base, run) for run in runs},
+        "x": x,
+        "series": aligned,
+        "active_jobs": registry.active_job_count(runs),
+    }
+
+
+def parse_runs(runs_param: str) -> list[str]:
+    """``runs=a,b`` as a list of names; at least one, at most MAX_COMPARED_RUNS, no repeats."""
+    runs = list(dict.fromkeys(name.strip() for name in runs_param.split(",") if name.strip()))
+    if not runs:
+        raise InvalidInput(
+            f"runs={runs_param!r} names no run: pass run names separated by commas, "
+            "e.g. runs=run-a,run-b"
+        )
+    if len(runs) > MAX_COMPARED_RUNS:
+        raise InvalidInput(
+            f"runs= names {len(runs)} runs; compare at most {MAX_COMPARED_RUNS} in one plot"
+        )
+    return runs
+
+
+def _best_index(values: list[float | None], mode: Mode) -> int | None:
+    best = None
+    for i, value in enumerate(values):
+        if value is None:
+            continue
+        if best is None or (value > values[best] if mode == "max" else value < values[best]):
+            best = i
+    return best
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _run_fields(record: RunRecord) -> dict[str, Any]:
+    return {
+        "name": record.name,
+        "namespace": record.namespace,
+        "status": record.status,
+        "created_at": iso(record.created_at),
+        "storage_root": record.storage_root,
+        "tags": encode_non_finite(record.tags),
+    }
+
+
+def _checkpoint_fields(record: CheckpointRecord) -> dict[str, Any]:
+    # Aliases and tags are read with getattr: records gain them with a later schema.
+    return {
+        "report_index": record.report_index,
+        "step": record.step,
+        "epoch": record.epoch,
+        "validation_status": record.validation_status,
+        "metrics": encode_non_finite(record.metrics),
+        "aliases": list(getattr(record, "aliases", None) or []),
+        "tags": encode_non_finite(dict(getattr(record, "tags", None) or {})),
+        "size_bytes": record.size_bytes,
+        "uri": record.uri,
+        "created_at": iso(record.created_at),
+    }
+
+
+def _job_fields(job: JobRecord) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "report_index": job.report_index,
+        "pool": job.pool,
+        "status": job.status,
+        "attempts": job.attempts,
+        "max_attempts": job.max_attempts,
+        "validate_fn": job.validate_fn_name,
+        "queued_at": iso(job.created_at),
+        "started_at": iso(job.started_at),
+        "finished_at": iso(job.finished_at),
+        "error_type": job.error_type,
+        "error_message": job.error_message,
+        "error_traceback": job.error_traceback,
+        "attempt_history": [
+            {
+                "attempt": a.attempt,
+                "status": a.status,
+                "claimed_at": iso(a.claimed_at),
+                "started_at": iso(a.started_at),
+                "finished_at": iso(a.finished_at),
+                "node_id": a.node_id,
+            }
+            for a in job.attempt_history
+        ],
+    }
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat()

@@ -1,0 +1,388 @@
+/* ckval dashboard: draws the page's embedded JSON, then keeps it fresh by polling the
+   same JSON every 2 s while validations are queued or running (every 15 s otherwise).
+   Plain browser JavaScript and uPlot; no build step. */
+(function () {
+  "use strict";
+
+  const FAST_POLL_MS = 2000;
+  const SLOW_POLL_MS = 15000;
+  const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2",
+    "#ca8a04", "#db2777", "#4b5563", "#65a30d"];
+
+  // Report indexes are whole numbers: ticks at 1, 2, 5, 10, 20, ... reports apart.
+  const REPORT_TICKS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 100000];
+  const base = document.body.dataset.base || "/ui";
+  const dataNode = document.getElementById("ckval-data");
+  const ckval = (window.ckval = {
+    plots: {}, data: dataNode ? JSON.parse(dataNode.textContent) : null, refreshes: 0,
+  });
+
+  // ------------------------------------------------------------------ helpers
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [key, value] of Object.entries(attrs || {})) {
+      if (value === null || value === undefined || value === false) continue;
+      if (key === "class") node.className = value;
+      else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+      else node.setAttribute(key, value === true ? "" : value);
+    }
+    for (const child of children.flat()) {
+      if (child === null || child === undefined) continue;
+      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return node;
+  }
+
+  function svg(tag, attrs, ...children) {
+    const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+    for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, value);
+    for (const child of children) {
+      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return node;
+  }
+
+  function fmt(value) {
+    if (value === null || value === undefined) return "–";
+    if (typeof value !== "number") return String(value);
+    if (Number.isInteger(value)) return String(value);
+    const size = Math.abs(value);
+    if (size !== 0 && (size >= 1e5 || size < 1e-3)) return value.toExponential(3);
+    return String(Number(value.toPrecision(5)));
+  }
+
+  function seconds(from, to) {
+    return (Date.parse(to) - Date.parse(from)) / 1000;
+  }
+
+  function took(s) {
+    if (s === null || Number.isNaN(s)) return "–";
+    if (s < 1) return `${Math.round(s * 1000)} ms`;
+    if (s < 120) return `${s.toFixed(1)} s`;
+    if (s < 7200) return `${(s / 60).toFixed(1)} min`;
+    return `${(s / 3600).toFixed(1)} h`;
+  }
+
+  function ago(iso) {
+    if (!iso) return "–";
+    return `${took(Math.max(0, (Date.now() - Date.parse(iso)) / 1000))} ago`;
+  }
+
+  function size(bytes) {
+    let n = bytes;
+    for (const unit of ["B", "KB", "MB", "GB"]) {
+      if (n < 1024 || unit === "GB") return unit === "B" ? `${n} B` : `${n.toFixed(1)} ${unit}`;
+      n /= 1024;
+    }
+    return String(bytes);
+  }
+
+  function status(value) {
+    return el("span", { class: `status ${value}` }, value);
+  }
+
+  function replaceRows(table, rows) {
+    const body = table.tBodies[0];
+    body.replaceChildren(...rows);
+  }
+
+  function plotWidth(container) {
+    return Math.max(320, Math.floor(container.clientWidth || 440) - 16);
+  }
+
+  // Polls url while the page is open: every 2 s when jobs are queued or running.
+  function keepFresh(url, apply) {
+    const live = document.getElementById("live");
+    let current = ckval.data;
+    const schedule = () => {
+      const active = current && current.active_jobs > 0;
+      if (live) live.classList.toggle("on", Boolean(active));
+      setTimeout(refresh, active ? FAST_POLL_MS : SLOW_POLL_MS);
+    };
+    const refresh = async () => {
+      try {
+        const response = await fetch(url(), {
+          headers: { Accept: "application/json" }, credentials: "same-origin",
+        });
+        if (response.ok) {
+          current = ckval.data = await response.json();
+          apply(current);
+          ckval.refreshes += 1;
+        }
+      } catch (error) {
+        console.warn("ckval: refresh failed", error);
+      }
+      schedule();
+    };
+    ckval.refreshNow = refresh;
+    schedule();
+  }
+
+  // --------------------------------------------------------------- runs page
+  function runsPage(table) {
+    const metricSelect = document.getElementById("metric");
+    const modeSelect = document.getElementById("mode");
+    const compareButton = document.getElementById("compare");
+    const checked = new Set();
+    const params = new URLSearchParams(location.search);
+
+    function query() {
+      const q = new URLSearchParams();
+      for (const key of ["page", "per_page", "metric", "mode"]) {
+        if (params.get(key)) q.set(key, params.get(key));
+      }
+      return q.toString();
+    }
+
+    function draw(data) {
+      const names = data.metrics.includes(data.metric) || !data.metric
+        ? data.metrics : [data.metric, ...data.metrics];
+      metricSelect.replaceChildren(
+        ...names.map((name) => el("option", { value: name, selected: name === data.metric }, name)));
+      modeSelect.value = data.mode;
+      document.getElementById("best-head").textContent =
+        data.metric ? `best ${data.metric} (${data.mode})` : "best";
+      const rows = data.runs.map((run) => el("tr", { "data-run": run.name },
+        el("td", {}, el("input", {
+          type: "checkbox", value: run.name, checked: checked.has(run.name),
+          onchange: (event) => {
+            if (event.target.checked) checked.add(run.name); else checked.delete(run.name);
+            compareButton.disabled = checked.size === 0;
+          },
+        })),
+        el("td", {}, el("a", { href: run.url }, run.name)),
+        el("td", {}, run.namespace),
+        el("td", {}, status(run.status)),
+        el("td", { class: "num" }, run.checkpoints),
+        el("td", { class: "num" }, run.validated),
+        el("td", { class: "num" }, run.queued),
+        el("td", { class: "num" }, run.running),
+        el("td", { class: "num" }, run.failed),
+        el("td", { class: "num best" }, fmt(run.best)),
+        el("td", { title: run.last_activity }, ago(run.last_activity)),
+      ));
+      if (!rows.length) {
+        rows.push(el("tr", {}, el("td", { colspan: 11, class: "empty" },
+          "No runs yet: report a checkpoint with trainer_integration.report().")));
+      }
+      replaceRows(table, rows);
+      const pages = document.getElementById("pages");
+      const links = [];
+      for (let n = 1; n <= data.pages; n++) {
+        if (n === data.page) { links.push(el("span", {}, `page ${n}`)); continue; }
+        const q = new URLSearchParams(query());
+        q.set("page", n);
+        links.push(el("a", { href: `?${q}` }, n));
+      }
+      pages.replaceChildren(el("span", {}, `${data.total} runs`), ...(data.pages > 1 ? links : []));
+    }
+
+    function choose() {
+      history.replaceState(null, "", `?${query()}`);
+      ckval.refreshNow();
+    }
+    metricSelect.addEventListener("change", () => {
+      // Another metric ranks in its own usual direction until a mode is chosen.
+      params.set("metric", metricSelect.value);
+      params.delete("mode");
+      choose();
+    });
+    modeSelect.addEventListener("change", () => {
+      params.set("mode", modeSelect.value);
+      choose();
+    });
+    compareButton.addEventListener("click", () => {
+      const q = new URLSearchParams({ runs: [...checked].join(",") });
+      if (metricSelect.value) q.set("metric", metricSelect.value);
+      location.href = `${base}/compare?${q}`;
+    });
+    draw(ckval.data);
+    keepFresh(() => `${base}/api/runs?${query()}`, draw);
+  }
+
+  // ----------------------------------------------------------------- run page
+  function metricPlot(container, name, series) {
+    const box = el("div", { class: "plot", "data-metric": name });
+    const title = el("h3", {}, name, " ", el("span", { class: "best" }));
+    box.append(title);
+    container.append(box);
+    const options = {
+      width: plotWidth(box),
+      height: 240,
+      scales: { x: { time: false } },
+      axes: [{ label: "report index", incrs: REPORT_TICKS }, {}],
+      series: [
+        { label: "report" },
+        { label: "reported", stroke: "#94a3b8", width: 1.5, spanGaps: true,
+          points: { show: true, size: 5 } },
+        { label: "validated", stroke: COLORS[0], width: 2, spanGaps: true,
+          points: { show: true, size: 6 } },
+        { label: "best", stroke: "#dc2626", width: 0, paths: () => null,
+          points: { show: true, size: 13, width: 2, stroke: "#dc2626", fill: "transparent" } },
+      ],
+    };
+    const plot = new uPlot(options, plotData(series), box);
+    plot.titleNode = title.querySelector(".best");
+    return plot;
+  }
+
+  function plotData(series) {
+    const best = series.x.map((index) =>
+      series.best && index === series.best.report_index ? series.best.value : null);
+    return [series.x, series.reported, series.validated, best];
+  }
+
+  function runPage(run) {
+    const plots = document.getElementById("plots");
+    const openErrors = new Set();
+
+    function drawPlots(data) {
+      const names = Object.keys(data.series);
+      if (!names.length) {
+        plots.replaceChildren(el("p", { class: "empty" }, "No numeric metrics reported yet."));
+      }
+      for (const name of names) {
+        const series = data.series[name];
+        let plot = ckval.plots[name];
+        if (!plot) {
+          if (!Object.keys(ckval.plots).length) plots.replaceChildren();
+          plot = ckval.plots[name] = metricPlot(plots, name, series);
+        } else {
+          plot.setData(plotData(series));
+        }
+        plot.titleNode.textContent = series.best
+          ? `best ${fmt(series.best.value)} at report ${series.best.report_index} (${series.mode})`
+          : "";
+      }
+    }
+
+    function drawTimeline(data) {
+      const node = document.getElementById("timeline");
+      const jobs = data.jobs.filter((job) => job.queued_at);
+      if (!jobs.length) {
+        node.replaceChildren(el("p", { class: "empty" }, "No validation jobs."));
+        return;
+      }
+      const end = (job) => job.finished_at || data.now;
+      const t0 = Math.min(...jobs.map((job) => Date.parse(job.queued_at)));
+      const t1 = Math.max(...jobs.map((job) => Date.parse(end(job))), t0 + 1);
+      const pools = [...new Set(jobs.map((job) => job.pool))].sort();
+      const label = 150, width = Math.max(480, node.clientWidth - 20), row = 14;
+      const x = (iso) => label + ((Date.parse(iso) - t0) / (t1 - t0)) * (width - label - 10);
+      const parts = [];
+      let y = 4;
+      for (const pool of pools) {
+        parts.push(svg("text", { x: 0, y: y + 11, "font-weight": 600 }, `pool ${pool}`));
+        y += row + 2;
+        for (const job of jobs.filter((j) => j.pool === pool)) {
+          const started = job.started_at;
+          const waitEnd = started || end(job);
+          const group = svg("g", { class: "job", "data-job": job.id });
+          group.append(svg("title", {}, `job ${job.id} (report ${job.report_index}): ` +
+            `${job.status}, queued ${job.queued_at}` + (started ? `, started ${started}` : "") +
+            (job.finished_at ? `, finished ${job.finished_at}` : "")));
+          group.append(svg("text", { x: 8, y: y + 10 }, `#${job.id} report ${job.report_index}`));
+          group.append(svg("rect", { x: x(job.queued_at), y, height: row - 3, fill: "#d1d5db",
+            width: Math.max(1, x(waitEnd) - x(job.queued_at)) }));
+          if (started) {
+            const color = { SUCCEEDED: "#16a34a", FAILED: "#dc2626", TIMED_OUT: "#dc2626",
+              CANCELLED: "#9ca3af" }[job.status] || "#2563eb";
+            group.append(svg("rect", { x: x(started), y, height: row - 3, fill: color,
+              width: Math.max(2, x(end(job)) - x(started)) }));
+          }
+          parts.push(group);
+          y += row;
+        }
+        y += 6;
+      }
+      parts.push(svg("text", { x: label, y: y + 10 }, new Date(t0).toISOString()));
+      parts.push(svg("text", { x: width - 10, y: y + 10, "text-anchor": "end" },
+        `+${took((t1 - t0) / 1000)}`));
+      node.replaceChildren(svg("svg", { width, height: y + 16, role: "img" }, ...parts));
+    }
+
+    function drawTables(data) {
+      const summary = document.getElementById("run-summary");
+      summary.replaceChildren(status(data.run.status),
+        ` ${data.checkpoints.length} checkpoints · ${data.active_jobs} validations queued or ` +
+        `running · namespace ${data.run.namespace}`);
+      replaceRows(document.getElementById("checkpoints"), data.checkpoints.map((c) =>
+        el("tr", { "data-report": c.report_index },
+          el("td", { class: "num" }, c.report_index),
+          el("td", { class: "num" }, fmt(c.step)),
+          el("td", {}, status(c.validation_status)),
+          el("td", { class: "metrics" }, Object.entries(c.metrics)
+            .map(([key, value]) => `${key}=${fmt(value)}`).join("  ")),
+          el("td", {}, c.aliases.map((alias) => el("span", { class: "chip" }, alias))),
+          el("td", {}, Object.entries(c.tags).map(([key, value]) =>
+            el("span", { class: "chip tag" }, `${key}=${value}`))),
+          el("td", { class: "num" }, size(c.size_bytes)),
+          el("td", { class: "uri" }, c.uri))));
+      replaceRows(document.getElementById("jobs"), data.jobs.map((job) => {
+        let error = null;
+        if (job.error_message || job.error_traceback) {
+          const details = el("details", {
+            open: openErrors.has(job.id),
+            ontoggle: (event) => {
+              if (event.target.open) openErrors.add(job.id); else openErrors.delete(job.id);
+            },
+          }, el("summary", {}, `${job.error_type || "error"}: ${job.error_message || ""}`),
+          el("pre", {}, job.error_traceback || "(no traceback)"));
+          error = details;
+        }
+        return el("tr", { "data-job": job.id },
+          el("td", { class: "num" }, job.id),
+          el("td", { class: "num" }, job.report_index),
+          el("td", {}, job.pool),
+          el("td", {}, status(job.status)),
+          el("td", { class: "num" }, `${job.attempts}/${job.max_attempts}`),
+          el("td", { title: job.queued_at }, ago(job.queued_at)),
+          el("td", {}, job.started_at && job.finished_at
+            ? took(seconds(job.started_at, job.finished_at)) : "–"),
+          el("td", {}, error));
+      }));
+    }
+
+    function draw(data) {
+      drawPlots(data);
+      drawTimeline(data);
+      drawTables(data);
+    }
+    draw(ckval.data);
+    keepFresh(() => `${base}/api/runs/${encodeURIComponent(run)}`, draw);
+  }
+
+  // ------------------------------------------------------------- compare page
+  function comparePage(container) {
+    const data = ckval.data;
+    if (!data) return;
+    const legend = document.getElementById("compare-legend");
+    const box = el("div", { class: "plot" }, el("h3", {}, `${data.metric} (${data.mode} is best)`));
+    container.append(box);
+    const options = {
+      width: plotWidth(container),
+      height: 360,
+      scales: { x: { time: false } },
+      axes: [{ label: "report index", incrs: REPORT_TICKS }, { label: data.metric }],
+      series: [{ label: "report" }, ...data.runs.map((run, i) => ({
+        label: run, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: true,
+        points: { show: true, size: 5 },
+      }))],
+    };
+    const columns = (d) => [d.x, ...d.runs.map((run) => d.series[run])];
+    const plot = (ckval.plots.compare = new uPlot(options, columns(data), box));
+    legend.replaceChildren(...data.runs.map((run, i) => el("li", {},
+      el("i", { style: `background:${COLORS[i % COLORS.length]}` }),
+      el("a", { href: data.urls[run] }, run))));
+    const params = new URLSearchParams(location.search);
+    keepFresh(() => `${base}/api/compare?${params}`, (d) => plot.setData(columns(d)));
+  }
+
+  // ------------------------------------------------------------------- start
+  const runs = document.getElementById("runs");
+  const checkpoints = document.getElementById("checkpoints");
+  const compare = document.getElementById("compare-plot");
+  if (runs) runsPage(runs);
+  else if (checkpoints && ckval.data) runPage(ckval.data.run.name);
+  else if (compare) comparePage(compare);
+})();
