@@ -179,21 +179,24 @@ def test_routes_added_after_create_app_need_the_token(world: World, tmp_path: Pa
     app = create_app(Settings(api_token=TOKEN), world.registry)
     router = APIRouter()
 
-    @router.get("/ui/")
-    def dashboard() -> dict[str, str]:
-        return {"page": "dashboard"}
+    @router.get("/extra/page")
+    def page() -> dict[str, str]:
+        return {"page": "extra"}
 
     app.include_router(router)
 
-    @app.get("/metrics")
-    def metrics() -> dict[str, int]:
+    @app.get("/extra/count")
+    def count() -> dict[str, int]:
         return {"runs": len(world.registry.runs())}
 
     with TestClient(app, base_url="http://localhost") as client:
-        for path in ("/ui/", "/metrics"):
+        # The dashboard and /metrics, included by create_app, and the routes added here.
+        for path in ("/ui/", "/metrics", "/extra/page", "/extra/count"):
             assert client.get(path).status_code == 401, path
-        assert client.get("/ui/", headers=BEARER).json() == {"page": "dashboard"}
-        assert client.get("/metrics", headers=BEARER).json() == {"runs": 2}
+        assert client.get("/ui/", headers=BEARER).status_code == 200
+        assert client.get("/metrics", headers=BEARER).status_code == 200
+        assert client.get("/extra/page", headers=BEARER).json() == {"page": "extra"}
+        assert client.get("/extra/count", headers=BEARER).json() == {"runs": 2}
 
 
 def test_a_token_shorter_than_16_characters_is_refused(world: World):
