@@ -614,3 +614,13 @@ def test_the_token_is_not_handed_on_to_ray(monkeypatch: pytest.MonkeyPatch):
     # The service actor gets the settings as JSON; the token is not in it, nor in a repr.
     assert TOKEN not in settings.model_dump_json()
     assert TOKEN not in repr(settings)
+
+
+def test_guarded_answers_forbid_framing_sniffing_and_referers(world: World):
+    app = create_app(Settings(api_token=TOKEN), world.registry)
+    with TestClient(app, base_url="http://localhost") as client:
+        for path in ("/ui/", "/runs", "/metrics"):
+            headers = client.get(path, headers=BEARER).headers
+            assert headers["x-frame-options"] == "DENY", path
+            assert headers["x-content-type-options"] == "nosniff", path
+            assert headers["referrer-policy"] == "no-referrer", path

@@ -318,6 +318,25 @@ def check_bind(settings: Settings, host: str | None = None) -> None:
     )
 
 
+# Sent with every answer of a guarded route: no framing by another site (clickjacking of
+# the dashboard's buttons), no MIME sniffing, and no URL (which may carry ?token=) in the
+# Referer of links followed from a page.
+SECURITY_HEADERS = (
+    (b"x-frame-options", b"DENY"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+)
+
+
+def _with_security_headers(send: Send) -> Send:
+    async def send_with_headers(message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
+        await send(message)
+
+    return send_with_headers
+
+
 def _is_loopback(host: str) -> bool:
     name = _host_name(host)
     if name == "localhost":
@@ -390,7 +409,7 @@ class ApiGuard:
             )
             await refusal(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        await self.app(scope, receive, _with_security_headers(send))
 
     def _refusal(self, conn: HTTPConnection) -> Response | None:
         host = conn.headers.get("host", "")
