@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import tempfile
+import uuid
 
 
 def command_line() -> str:
@@ -59,3 +61,42 @@ def run_description(load_before: str) -> dict[str, str]:
         "load_before": load_before,
         "load_after": load_average(),
     }
+
+
+POSTGRES_URL = os.environ.get(
+    "CKVAL_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+
+
+class Database:
+    """A fresh database for one measurement, removed afterwards."""
+
+    def __init__(self, backend: str, prefix: str = "bench-"):
+        self.backend = backend
+        if backend == "sqlite":
+            self.url = f"sqlite:///{tempfile.mkdtemp(prefix=prefix)}/registry.db"
+            return
+        import sqlalchemy as sa
+
+        self.name = f"ckval_bench_{uuid.uuid4().hex[:8]}"
+        self.admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+        with self.admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{self.name}"'))
+        self.url = (
+            sa.engine.make_url(POSTGRES_URL)
+            .set(database=self.name)
+            .render_as_string(hide_password=False)
+        )
+
+    def drop(self) -> None:
+        if self.backend == "sqlite":
+            return
+        import sqlalchemy as sa
+
+        with self.admin.connect() as conn:
+            conn.execute(
+                sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname=:d"),
+                {"d": self.name},
+            )
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{self.name}"'))
+        self.admin.dispose()

@@ -27,52 +27,14 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import command_line, load_average  # noqa: E402
+from benchmarks._common import Database, command_line, load_average  # noqa: E402
 
-POSTGRES_URL = os.environ.get(
-    "CKVAL_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
 BUDGET_MS = 100.0
 BATCH = 5_000
-
-
-class Database:
-    """A fresh database for one measurement, removed afterwards."""
-
-    def __init__(self, backend: str):
-        self.backend = backend
-        if backend == "sqlite":
-            self.url = f"sqlite:///{tempfile.mkdtemp(prefix='bench-dash-')}/registry.db"
-            return
-        import sqlalchemy as sa
-
-        self.name = f"ckval_bench_{uuid.uuid4().hex[:8]}"
-        self.admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
-        with self.admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{self.name}"'))
-        self.url = (
-            sa.engine.make_url(POSTGRES_URL)
-            .set(database=self.name)
-            .render_as_string(hide_password=False)
-        )
-
-    def drop(self) -> None:
-        if self.backend == "sqlite":
-            return
-        import sqlalchemy as sa
-
-        with self.admin.connect() as conn:
-            conn.execute(
-                sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname=:d"),
-                {"d": self.name},
-            )
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{self.name}"'))
-        self.admin.dispose()
 
 
 def load(registry, runs: int, per_run: int) -> float:
@@ -348,7 +310,7 @@ def main() -> None:
     ]
     notes = []
     for backend in args.backends:
-        database = Database(backend)
+        database = Database(backend, "bench-dash-")
         try:
             registry = Registry(database.url, upgrade=True)
             seconds = load(registry, args.runs, args.checkpoints_per_run)

@@ -26,47 +26,13 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
-POSTGRES_URL = os.environ.get(
-    "CKVAL_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import Database  # noqa: E402
+
 METRICS = ("accuracy", "loss", "f1", "precision", "recall")
-
-
-class Database:
-    """A fresh database for one measurement, removed afterwards."""
-
-    def __init__(self, backend: str):
-        self.backend = backend
-        if backend == "sqlite":
-            self.url = f"sqlite:///{tempfile.mkdtemp(prefix='bench-reg-')}/registry.db"
-            return
-        import sqlalchemy as sa
-
-        self.name = f"ckval_bench_{uuid.uuid4().hex[:8]}"
-        self.admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
-        with self.admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{self.name}"'))
-        self.url = (
-            sa.engine.make_url(POSTGRES_URL)
-            .set(database=self.name)
-            .render_as_string(hide_password=False)
-        )
-
-    def drop(self) -> None:
-        if self.backend == "sqlite":
-            return
-        import sqlalchemy as sa
-
-        with self.admin.connect() as conn:
-            conn.execute(
-                sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname=:d"),
-                {"d": self.name},
-            )
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{self.name}"'))
-        self.admin.dispose()
 
 
 def load(registry, size: int, runs: int) -> float:
@@ -106,7 +72,7 @@ def bench_best(backends: list[str], sizes: list[int], runs: int, repeats: int) -
     rows = []
     for backend in backends:
         for size in sizes:
-            database = Database(backend)
+            database = Database(backend, "bench-reg-")
             try:
                 registry = Registry(database.url, upgrade=True)
                 load_s = load(registry, size, runs)
@@ -179,7 +145,7 @@ def bench_registration(backends: list[str], reporters: int, reports: int) -> lis
 
     rows = []
     for backend in backends:
-        database = Database(backend)
+        database = Database(backend, "bench-reg-")
         home = tempfile.mkdtemp(prefix="bench-reg-home-")
         os.environ.update(CKVAL_HOME=home, CKVAL_DATABASE_URL=database.url)
         registry = Registry(database.url, upgrade=True)

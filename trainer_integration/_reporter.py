@@ -36,7 +36,7 @@ from validation_service.secrets import WITHHELD_VAR
 from validation_service.signing import VALIDATE_CONFIG, VALIDATE_FN, PayloadTrust
 from validation_service.storage import CheckpointFolder, CheckpointStorage, PersistedCheckpoint
 from validation_service.validate_fn import check_module_allowed, import_validate_fn
-from validation_service.validation import check_resources, check_step_and_epoch
+from validation_service.validation import check_resources, check_step_and_epoch, stored_int
 
 logger = logging.getLogger(__name__)
 
@@ -362,8 +362,8 @@ class RunReporter:
             size_bytes=persisted.size_bytes,
             manifest_sha256=persisted.manifest_sha256,
             reported_metrics=metrics,
-            step=_int_or_none(metrics.get("step")),
-            epoch=_int_or_none(metrics.get("epoch")),
+            step=stored_int(metrics.get("step")),
+            epoch=stored_int(metrics.get("epoch")),
             job=job,
         )
         if job is not None:
@@ -727,13 +727,3 @@ def _is_local(checkpoint) -> bool:
 def _uri_of(checkpoint) -> str:
     type_name = checkpoint.filesystem.type_name
     return f"{type_name}://{checkpoint.path}"
-
-
-def _int_or_none(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
