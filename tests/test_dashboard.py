@@ -283,6 +283,18 @@ def test_unknown_run_page_is_404_naming_the_run(client: TestClient):
     assert "No run named &#39;nope&#39;" in response.text and "Known runs: alpha" in response.text
 
 
+def test_run_data_and_page_show_aliases_and_tags(client: TestClient):
+    registry = client.app.state.registry
+    registry.set_alias("alpha", "production", 1)
+    registry.tag("alpha", 1, "split", "val")
+    checkpoints = client.get("/ui/api/runs/alpha").json()["checkpoints"]
+    by_index = {c["report_index"]: c for c in checkpoints}
+    assert by_index[1]["aliases"] == ["production"] and by_index[1]["tags"] == {"split": "val"}
+    assert by_index[0]["aliases"] == [] and by_index[0]["tags"] == {}
+    page = client.get("/ui/runs/alpha").text
+    assert "production" in page and "split" in page
+
+
 def test_unknown_run_data_is_404_json(client: TestClient):
     response = client.get("/ui/api/runs/nope")
     assert response.status_code == 404

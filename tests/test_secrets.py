@@ -90,6 +90,8 @@ def test_public_settings_keep_no_secret():
         },
     )
     shown = public_settings(settings).model_dump_json()
+    for secret in (PASSWORD, KEY, STORAGE_SECRET):
+        assert secret not in repr(settings)
     assert not any(secret in shown for secret in SECRETS)
     assert json.loads(shown)["storage_options"]["endpoint_url"] == "http://s3"
 

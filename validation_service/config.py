@@ -40,10 +40,12 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     home: Path = Field(default_factory=_default_home)
-    database_url: str | None = None
+    # Left out of repr(Settings): a URL or the options may carry a password or a key
+    # (secrets.mask_url and secrets.public_settings show them masked).
+    database_url: str | None = Field(default=None, repr=False)
     storage: str | None = None
     # Passed to fsspec for the storage URI, e.g. {"endpoint_url": "http://127.0.0.1:9000"}.
-    storage_options: dict[str, Any] = Field(default_factory=dict)
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
     ray_address: str | None = None
     namespace: str = "default"
 

@@ -174,15 +174,14 @@ def _run_fields(record: RunRecord) -> dict[str, Any]:
 
 
 def _checkpoint_fields(record: CheckpointRecord) -> dict[str, Any]:
-    # Aliases and tags are read with getattr: records gain them with a later schema.
     return {
         "report_index": record.report_index,
         "step": record.step,
         "epoch": record.epoch,
         "validation_status": record.validation_status,
         "metrics": encode_non_finite(record.metrics),
-        "aliases": list(getattr(record, "aliases", None) or []),
-        "tags": encode_non_finite(dict(getattr(record, "tags", None) or {})),
+        "aliases": list(record.aliases),
+        "tags": encode_non_finite(dict(record.tags)),
         "size_bytes": record.size_bytes,
         "uri": record.uri,
         "created_at": iso(record.created_at),
