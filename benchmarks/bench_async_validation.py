@@ -559,7 +559,8 @@ def render_markdown(results: list[WayResult], meta: dict[str, Any]) -> str:
         ),
         "",
         "Columns: e2e = fit() start until the driver holds every validated metric; report "
-        "blocked = sum of the time report() blocked rank 0; in-loop val = validation inside the"
+        "blocked = sum over reports of the longest time a rank was blocked in report(); in-loop "
+        "val = validation inside the"
         " loop (inline only); final wait = training loop end until the last validated metric is"
         " available (native: its last validation task returned, in the controller; ckval: "
         "committed to the registry; inline: 0); until fit() = training loop end until fit() "
