@@ -606,9 +606,15 @@ def iter_queue(lines: queue.Queue):
             return
 
 
-def test_jobs_watch_ctrl_c_exits_zero(populated, without_ray):
-    prefix, env = without_ray
-    proc, lines = _start_watch(prefix, env, populated)
+def test_jobs_watch_ctrl_c_exits_zero(populated, tmp_path):
+    # Pointed at an address where no Ray answers: the watch finds no service, at once.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(CKVAL_RAY_ADDRESS=f"127.0.0.1:{port}", RAY_TMPDIR=str(tmp_path / "ray-tmp"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc, lines = _start_watch([], env, populated)
     try:
         _wait_for_line(lines, r"\bQUEUED\b")
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends

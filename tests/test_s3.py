@@ -128,7 +128,7 @@ def test_validation_reads_from_s3(s3_service, tmp_path, unique_run):
 
 def test_damaged_s3_checkpoints_fail_without_retries(s3_service, tmp_path, unique_run):
     """Checkpoints damaged in S3 after they were reported: the job fails at once."""
-    from trainer_integration._reporter import validation_request
+    from trainer_integration._reporter import signed_request, validation_request
 
     settings = s3_service
     client = Client(unique_run, settings)
@@ -139,7 +139,10 @@ def test_damaged_s3_checkpoints_fail_without_retries(s3_service, tmp_path, uniqu
     storage.fs.pipe(f"{prefix}/checkpoint_000000/model.bin", b"flipped bytes")
     storage.fs.rm(f"{prefix}/checkpoint_000001/model.bin")
     registry = Registry(settings=settings)
-    job = validation_request(read_value, None, None, 0, None, 3)
+    # Signed with the reporter's key, as report() signs it.
+    job = signed_request(
+        validation_request(read_value, None, None, 0, None, 3), client._reporter.trust
+    )
     for record in registry.checkpoints(unique_run):  # now enqueue their validations
         registry.register_checkpoint(
             client._reporter.run_id,

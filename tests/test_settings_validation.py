@@ -21,7 +21,7 @@ BAD_SETTINGS = [
     ("CKVAL_RETRY_BACKOFF_S", "nan", "CKVAL_RETRY_BACKOFF_S must be a number of seconds"),
     ("CKVAL_RETRY_BACKOFF_MAX_S", "-inf", "CKVAL_RETRY_BACKOFF_MAX_S must be a number"),
     ("CKVAL_DELIVERY_TIMEOUT_S", "0", "CKVAL_DELIVERY_TIMEOUT_S must be a positive number"),
-    ("CKVAL_DEFAULT_POOL_SIZE", "0", "CKVAL_DEFAULT_POOL_SIZE must be at least 1"),
+    ("CKVAL_DEFAULT_POOL_SIZE", "-1", "CKVAL_DEFAULT_POOL_SIZE must be 0 (paused) or more"),
     ("CKVAL_POOLS", '{"CPU": -3}', "CKVAL_POOLS gives pool 'CPU' the size -3"),
     ("CKVAL_POOLS", "notjson", "CKVAL_POOLS must be a JSON object"),
     ("CKVAL_STORAGE_OPTIONS", "notjson", "CKVAL_STORAGE_OPTIONS must be a JSON object"),
@@ -43,7 +43,7 @@ def test_a_bad_variable_is_one_error_naming_it(monkeypatch, variable, value, mes
 
 def test_every_bad_variable_is_listed_and_good_values_are_read(monkeypatch):
     monkeypatch.setenv("CKVAL_LEASE_S", "-5")
-    monkeypatch.setenv("CKVAL_DEFAULT_POOL_SIZE", "0")
+    monkeypatch.setenv("CKVAL_DEFAULT_POOL_SIZE", "-2")
     monkeypatch.setenv("CKVAL_POOLS", '{"A10G": 2}')
     monkeypatch.setenv("CKVAL_STORAGE_OPTIONS", '{"anon": true}')
     with pytest.raises(InvalidSettings) as raised:

@@ -102,11 +102,14 @@ class Settings(BaseSettings):
             raise ValueError(f"must be a number of seconds, 0 or more, got {value!r}")
         return value
 
+    # 0 pauses a pool: its jobs stay queued until it is given a size again.
     @field_validator("default_pool_size")
     @classmethod
     def _pool_size(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError(f"must be at least 1 (validations at once per pool), got {value!r}")
+        if value < 0:
+            raise ValueError(
+                f"must be 0 (paused) or more (validations at once per pool), got {value!r}"
+            )
         return value
 
     @field_validator("pools")
@@ -115,10 +118,10 @@ class Settings(BaseSettings):
         for name, size in pools.items():
             if not name or len(name) > 128:
                 raise ValueError(f"has a pool name {name!r}; use 1 to 128 characters")
-            if size < 1:
+            if size < 0:
                 raise ValueError(
-                    f"gives pool {name!r} the size {size!r}; each pool runs at least 1 "
-                    'validation at once, e.g. {"A10G": 4, "CPU": 2}'
+                    f"gives pool {name!r} the size {size!r}; a pool runs 0 (paused) or more "
+                    'validations at once, e.g. {"A10G": 4, "CPU": 2}'
                 )
         return pools
 

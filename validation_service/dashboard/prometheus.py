@@ -205,7 +205,9 @@ class RegistryCollector(Collector):
                     return 1, "actor"
             except Exception:  # noqa: BLE001 - a dead or busy actor is a down service
                 logger.warning("/metrics: the ckval service did not answer", exc_info=True)
-            return 0, "actor"
+                return 0, "actor"
+            # No service actor on this Ray: it may run on another cluster; the registry's
+            # leases tell.
         # A scheduler extends its leases every heartbeat and requeues expired ones every
         # tick: a live lease means it ran within a lease period; an expired lease, or a due
         # job nobody claimed for a lease period, means none runs. An idle queue is served.
