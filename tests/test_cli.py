@@ -542,6 +542,9 @@ def _start_watch(prefix, env, url, *args):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a shell gives a foreground job
+        # As a terminal's foreground job: SIGINT at its default, even when this test runs
+        # in a background job that ignores it (Python then raises no KeyboardInterrupt).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
