@@ -8,6 +8,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from trainer_integration._ray_reports import RayReportLine, report_line
 from trainer_integration._reporter import (
     POINTER_FILE,
     CheckpointUploadMode,
@@ -120,12 +121,9 @@ def _report_outside_ray_train(metrics, checkpoint, job, mode, delete_local) -> N
 
 
 def _report_in_ray_train(context, metrics, checkpoint, job, mode, delete_local) -> None:
-    import ray.train
-
-    # Ray Train's ASYNC mode puts the report into its result queue from its own upload
-    # thread: training never waits for the controller to drain that queue.
+    line = report_line()
     if checkpoint is None:
-        ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+        _to_ray_train(line, metrics)
         return
     reporter = _reporter(ray_train_run_name(context))
     try:
@@ -137,11 +135,21 @@ def _report_in_ray_train(context, metrics, checkpoint, job, mode, delete_local) 
             )
     except Exception:
         # The other ranks are in this report too: keep in step.
-        ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+        _to_ray_train(line, metrics)
         raise
-    _report_pointer(reporter, metrics, checkpoint, stored)
+    _report_pointer(line, reporter, metrics, checkpoint, stored)
     if mode is CheckpointUploadMode.SYNC:
         stored.stored.result()  # ckval's copy is done: training may delete its folder
+
+
+def _to_ray_train(line: RayReportLine | None, metrics: dict) -> None:
+    """A report without a checkpoint, to keep this rank in step with the others."""
+    import ray.train
+
+    if line is None:
+        ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+    else:
+        line.submit(lambda: ray.train.report(metrics))
 
 
 def _delete_local(mode: CheckpointUploadMode, delete: bool | None) -> bool:
@@ -155,14 +163,16 @@ def _delete_local(mode: CheckpointUploadMode, delete: bool | None) -> bool:
     return delete
 
 
-def _report_pointer(reporter: RunReporter, metrics: dict, checkpoint, stored: StoredReport) -> None:
-    """ray.train.report() in ASYNC mode with a pointer to the stored checkpoint.
+def _report_pointer(
+    line: RayReportLine | None, reporter: RunReporter, metrics: dict, checkpoint, stored
+) -> None:
+    """Hands Ray Train a pointer to the stored checkpoint, off the training thread.
 
-    Ray Train calls the pointer writer on its upload thread, in report order, and waits
-    for that thread before the worker finishes: the writer waits until ckval's copy is
-    registered, so no acknowledged report is lost when the train function returns. A
-    copy or registration that failed fails the writer, and so the run, as Ray Train's
-    own failed upload does.
+    The pointer is written once ckval's copy is registered, on Ray Train's upload
+    thread, which Ray Train waits for before the worker finishes: no acknowledged report
+    is lost when the train function returns. A copy or registration that failed fails
+    the run, as Ray Train's own failed upload does. Without the line (another Ray
+    version) the same happens through ``ray.train.report`` in ASYNC mode.
     """
     import ray.train
 
@@ -190,12 +200,24 @@ def _report_pointer(reporter: RunReporter, metrics: dict, checkpoint, stored: St
         stored.registered.result()
         return ray.train.Checkpoint(filesystem=filesystem, path=path)
 
-    ray.train.report(
-        metrics,
-        checkpoint=checkpoint,
-        checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
-        checkpoint_upload_fn=write_pointer,
-        delete_local_checkpoint_after_upload=False,
+    if line is None:
+        ray.train.report(
+            metrics,
+            checkpoint=checkpoint,
+            checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+            checkpoint_upload_fn=write_pointer,
+            delete_local_checkpoint_after_upload=False,
+        )
+        return
+    # On the upload thread Ray Train's SYNC mode is the whole report: the rank sync, the
+    # pointer, the result queue; the training thread waits for none of them.
+    line.submit(
+        lambda: ray.train.report(
+            metrics,
+            checkpoint=checkpoint,
+            checkpoint_upload_fn=write_pointer,
+            delete_local_checkpoint_after_upload=False,
+        )
     )
 
 
