@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_cli.py                        # 21 rounds
     .venv/bin/python benchmarks/bench_cli.py --compare-with ../ckval-before
+    .venv/bin/python benchmarks/bench_cli.py --compare-env CKVAL_CLI_FAST_READ=0
     .venv/bin/python benchmarks/bench_cli.py --smoke                # 2 rounds, for CI
 
 Every command runs in a new Python process the way the `ckval` console script runs it,
@@ -11,7 +12,8 @@ machine falls on all of them alike. Reported per command: the median wall time, 
 wall time above `python -c pass` (the interpreter's own start), and the median CPU time of
 the process (user + system), which load from other processes inflates less than wall time.
 ``--compare-with DIR`` also times the same commands with the code in DIR (a checkout of
-another commit) and adds its medians as columns.
+another commit) and adds its medians as columns; ``--compare-env NAME=VALUE`` (repeatable)
+does so with this code and these variables set instead, e.g. CKVAL_CLI_FAST_READ=0.
 """
 
 from __future__ import annotations
@@ -106,9 +108,11 @@ def time_once(argv: list[str], env: dict[str, str], cwd: str) -> tuple[float, fl
     return wall, usage.ru_utime + usage.ru_stime
 
 
-def measure(code: Path, home: Path, repeats: int, cwd: str) -> dict[str, dict[str, float]]:
+def measure(
+    code: Path, home: Path, repeats: int, cwd: str, extra_env: dict[str, str] | None = None
+) -> dict[str, dict[str, float]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CKVAL_", "RAY_ADDRESS"))}
-    env.update(CKVAL_HOME=str(home), PYTHONPATH=str(code))
+    env.update(CKVAL_HOME=str(home), PYTHONPATH=str(code), **(extra_env or {}))
     walls: dict[str, list[float]] = {label: [] for label, _ in COMMANDS}
     cpus: dict[str, list[float]] = {label: [] for label, _ in COMMANDS}
     for _ in range(repeats):
@@ -147,6 +151,13 @@ def main() -> None:
     parser.add_argument(
         "--compare-with", type=Path, default=None, help="another checkout to time as well"
     )
+    parser.add_argument(
+        "--compare-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="time this code again with these variables set, as the 'before' columns",
+    )
     parser.add_argument("--smoke", action="store_true", help="2 rounds, for CI")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = parser.parse_args()
@@ -161,8 +172,10 @@ def main() -> None:
     # sys.path, and only PYTHONPATH must say whose code runs.
     after = measure(ROOT, home, args.repeats, cwd=str(workdir))
     before = None
-    if args.compare_with:
-        before = measure(args.compare_with.resolve(), home, args.repeats, cwd=str(workdir))
+    compare_env = dict(item.split("=", 1) for item in args.compare_env)
+    if args.compare_with or compare_env:
+        code = args.compare_with.resolve() if args.compare_with else ROOT
+        before = measure(code, home, args.repeats, cwd=str(workdir), extra_env=compare_env)
     lines = [
         f"ckval CLI start-up, median of {args.repeats} fresh processes per command "
         f"({dt.date.today()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
@@ -173,7 +186,9 @@ def main() -> None:
         *table(after, before),
     ]
     if before:
-        lines += ["", f"before: the code in {args.compare_with}"]
+        settings = " ".join(args.compare_env)
+        where = f"the code in {args.compare_with}" if args.compare_with else "this code"
+        lines += ["", f"before: {where}" + (f" with {settings}" if settings else "")]
     report = "\n".join(lines)
     print(report)
     if args.out:

@@ -2,8 +2,10 @@
 
 Importing this module loads click and nothing heavy, so that `ckval --help` and the
 registry listings start fast: every command imports what it uses (SQLAlchemy for the
-registry, Ray only to reach the service). Commands defined in another module join with
-one line, ``main.add_command(command)``, and follow the same rule.
+registry, Ray only to reach the service); the listings (runs, checkpoints, best, jobs)
+read an embedded SQLite registry with sqlite3 alone (registry/_fast_read.py). Commands
+defined in another module join with one line, ``main.add_command(command)``, and follow
+the same rule.
 """
 
 from __future__ import annotations
@@ -66,6 +68,25 @@ def _registry(ctx: click.Context) -> Registry:
     if "registry" not in obj:
         obj["registry"] = Registry(settings=_settings(ctx))
     return obj["registry"]
+
+
+def _listing(ctx: click.Context, method: str, *args: Any, **kwargs: Any) -> Any:
+    """``Registry.<method>(*args, **kwargs)`` for the registry listings: read with sqlite3
+    when the registry is an embedded SQLite file at the current schema (the listing then
+    loads neither pydantic nor SQLAlchemy; see registry/_fast_read.py), else through the
+    Registry. Both return the same records and raise the same errors."""
+    obj = ctx.find_root().ensure_object(dict)
+    if "registry" not in obj:
+        from validation_service.registry import _fast_read
+
+        reader = _fast_read.open_reader(obj.get("database_url"), obj.get("namespace"))
+        if reader is not None:
+            with reader:
+                try:
+                    return getattr(reader, method)(*args, **kwargs)
+                except _fast_read.Unavailable:
+                    pass
+    return getattr(_registry(ctx), method)(*args, **kwargs)
 
 
 def _echo_json(value: Any) -> None:
@@ -137,7 +158,7 @@ def demo(epochs: int, workers: int, run_name: str | None) -> None:
 @click.pass_context
 def runs(ctx: click.Context, status: str | None, as_json: bool) -> None:
     """List runs (each attempt of a run name) with their checkpoint and validation counts."""
-    summaries = _registry(ctx).run_summaries(status=status)
+    summaries = _listing(ctx, "run_summaries", status=status)
     if as_json:
         from validation_service.views import run_json
 
@@ -153,7 +174,7 @@ def runs(ctx: click.Context, status: str | None, as_json: bool) -> None:
 @click.pass_context
 def checkpoints(ctx: click.Context, run: str, as_json: bool) -> None:
     """List the checkpoints of RUN with their merged metrics."""
-    records = _registry(ctx).checkpoints(run)
+    records = _listing(ctx, "checkpoints", run)
     if as_json:
         _echo_checkpoints_json(records)
         return
@@ -178,7 +199,7 @@ def best(
     """The best K checkpoints of RUN (of all runs when RUN is left out) by a metric."""
     from validation_service.metrics import lower_is_better
 
-    records = _registry(ctx).best_checkpoint_records(run, metric, mode or "max", k)
+    records = _listing(ctx, "best_checkpoint_records", run, metric, mode or "max", k)
     if mode is None and lower_is_better(metric):
         click.echo(
             f"warning: --mode defaulted to max, so the highest {metric!r} comes first, but "
@@ -275,12 +296,16 @@ def jobs(
         raise click.UsageError("--watch redraws a table; leave out --json")
     if limit is None and run is None:
         limit = DEFAULT_QUEUE_LIMIT
-    registry = _registry(ctx)
     wanted = list(statuses) or None
 
     def query() -> tuple[list[JobRecord], bool]:
-        found = registry.list_jobs(
-            run, statuses=wanted, pool=pool, limit=None if limit is None else limit + 1
+        found = _listing(
+            ctx,
+            "list_jobs",
+            run,
+            statuses=wanted,
+            pool=pool,
+            limit=None if limit is None else limit + 1,
         )
         more = limit is not None and len(found) > limit
         return (found[1:] if more else found), more

@@ -13,20 +13,17 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
+from validation_service import _home
+from validation_service._home import ENV_PREFIX
 from validation_service.errors import InvalidSettings
 from validation_service.names import RULE as NAME_RULE
 from validation_service.names import is_safe_name, suggested_name
 
-ENV_PREFIX = "CKVAL_"
 # Settings given as JSON objects, with an example for the error that says how.
 _JSON_OBJECT_EXAMPLES = {
     "storage_options": '{"endpoint_url": "http://127.0.0.1:9000"}',
     "pools": '{"A10G": 4, "CPU": 2}',
 }
-
-
-def _default_home() -> Path:
-    return Path(os.path.expanduser("~/.ckval"))
 
 
 class Settings(BaseSettings):
@@ -39,7 +36,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
-    home: Path = Field(default_factory=_default_home)
+    home: Path = Field(default_factory=_home.default_home)
     # Left out of repr(Settings): a URL or the options may carry a password or a key
     # (secrets.mask_url and secrets.public_settings show them masked).
     database_url: str | None = Field(default=None, repr=False)
@@ -166,12 +163,10 @@ class Settings(BaseSettings):
     append: bool = False
 
     def resolved_home(self) -> Path:
-        return Path(os.path.expanduser(str(self.home)))
+        return _home.resolved_home(self.home)
 
     def resolved_database_url(self) -> str:
-        if self.database_url:
-            return self.database_url
-        return f"sqlite:///{self.resolved_home() / 'registry.db'}"
+        return _home.resolved_database_url(self.database_url, self.home)
 
     def resolved_storage(self) -> str:
         if self.storage:

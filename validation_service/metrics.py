@@ -8,11 +8,17 @@ import numbers
 import re
 from typing import Any
 
-from validation_service.errors import InvalidInput
-
 MAX_METRICS = 1_000
 MAX_METRIC_NAME = 255
 MAX_METRICS_JSON_BYTES = 1_000_000
+
+
+def _invalid_input(message: str) -> Exception:
+    # The errors load only when one is raised: the CLI's fast listings import this module
+    # (lower_is_better) and the errors would bring SQLAlchemy with them.
+    from validation_service.errors import InvalidInput
+
+    return InvalidInput(message)
 
 
 def to_plain(value: Any) -> Any:
@@ -40,21 +46,21 @@ def to_plain(value: Any) -> Any:
 def normalize_metrics(metrics: Any, *, what: str) -> dict[str, Any]:
     """Checks and converts a metrics dict; raises InvalidInput naming what is wrong."""
     if not isinstance(metrics, dict):
-        raise InvalidInput(
+        raise _invalid_input(
             f"{what} must be a dict of metric name -> value, got {type(metrics).__name__}: "
             f"{_preview(metrics)}. Return e.g. {{'accuracy': 0.93}}."
         )
     if len(metrics) > MAX_METRICS:
-        raise InvalidInput(
+        raise _invalid_input(
             f"{what} has {len(metrics)} entries; at most {MAX_METRICS} are stored per "
             "checkpoint. Keep per-sample or per-class values in the checkpoint files instead."
         )
     plain: dict[str, Any] = {}
     for key, value in metrics.items():
         if not isinstance(key, str) or not key:
-            raise InvalidInput(f"{what} has a key {key!r}: metric names must be non-empty str.")
+            raise _invalid_input(f"{what} has a key {key!r}: metric names must be non-empty str.")
         if len(key) > MAX_METRIC_NAME:
-            raise InvalidInput(
+            raise _invalid_input(
                 f"{what} has a metric name of {len(key)} characters "
                 f"({key[:40]!r}...); at most {MAX_METRIC_NAME} are allowed."
             )
@@ -62,9 +68,9 @@ def normalize_metrics(metrics: Any, *, what: str) -> dict[str, Any]:
     try:
         encoded = json.dumps(plain, default=_reject)
     except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"{what} cannot be stored as JSON: {exc}") from None
+        raise _invalid_input(f"{what} cannot be stored as JSON: {exc}") from None
     if len(encoded) > MAX_METRICS_JSON_BYTES:
-        raise InvalidInput(
+        raise _invalid_input(
             f"{what} is {len(encoded)} bytes as JSON; at most {MAX_METRICS_JSON_BYTES} are "
             "stored per checkpoint. Keep large values in the checkpoint files instead."
         )
@@ -117,7 +123,7 @@ def _rankable_if_int(value: Any, key: str, what: str) -> Any:
         try:
             float(value)
         except OverflowError:
-            raise InvalidInput(
+            raise _invalid_input(
                 f"{what} {key!r} is an int of {value.bit_length()} bits, too large for a "
                 "float (the largest is about 1.8e308); report it as a float (inf is "
                 "stored but not ranked) or as a str."

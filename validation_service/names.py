@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import re
 
-from validation_service.errors import InvalidInput
-
 MAX_NAME_LENGTH = 128
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _UNSAFE_CHARACTER = re.compile(r"[^A-Za-z0-9_.-]")
@@ -33,6 +31,9 @@ def check_name(kind: str, value: object, *, where: str = "") -> str:
     """
     if is_safe_name(value):
         return value  # type: ignore[return-value]
+    # Imported here: the CLI's fast listings check a namespace without loading the errors.
+    from validation_service.errors import InvalidInput
+
     source = f" ({where})" if where else ""
     raise InvalidInput(
         f"{kind}{source} {value!r} is not allowed: use {RULE}. "

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from validation_service.config import Settings
 from validation_service.jobs import JobStatus
 from validation_service.registry.records import (
     AttemptRecord,
@@ -14,6 +13,9 @@ from validation_service.registry.records import (
     JobRecord,
     RunSummary,
 )
+
+if TYPE_CHECKING:
+    from validation_service.config import Settings
 
 logger = logging.getLogger(__name__)
 

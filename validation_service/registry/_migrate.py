@@ -1,38 +1,26 @@
 """Runs the Alembic migrations in migrations/ against a registry database.
 
 Checking a schema (every Registry() does) needs no Alembic: the head revision is read
-from the scripts' ``revision``/``down_revision`` lines and the current one from the
-``alembic_version`` table. Alembic loads only to migrate, or when the scripts are not
-plain enough to read that way.
+from the scripts' ``revision``/``down_revision`` lines (_revisions.py) and the current
+one from the ``alembic_version`` table. Alembic loads only to migrate, or when the
+scripts are not plain enough to read that way.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Engine, column, inspect, select, table
 
 from validation_service.registry._engine import WRITE_OPTION, schema_lock
+from validation_service.registry._revisions import declared_heads, migrations_dir
 
 if TYPE_CHECKING:
     from alembic.config import Config
 
-_PACKAGE = Path(__file__).resolve().parents[1]
 _VERSION_TABLE = table("alembic_version", column("version_num"))
-
-
-def migrations_dir() -> Path:
-    """The Alembic scripts: validation_service/migrations in an installed distribution
-    (pyproject.toml maps the repository's top-level migrations/ there), else the
-    repository's migrations/ beside validation_service/."""
-    installed = _PACKAGE / "migrations"
-    if (installed / "env.py").is_file():
-        return installed
-    return _PACKAGE.parent / "migrations"
 
 
 def alembic_config(url: str) -> Config:
@@ -53,51 +41,6 @@ def head_revision(url: str) -> str | None:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
-
-
-def declared_heads(versions: Path) -> list[str] | None:
-    """The revisions no script revises, read from the scripts' literal assignments.
-
-    None when a script does not assign ``revision`` and ``down_revision`` literals.
-    """
-    revisions: set[str] = set()
-    revised: set[str] = set()
-    for script in sorted(versions.glob("*.py")):
-        if script.name == "__init__.py":
-            continue
-        assigned = _literal_assignments(script, {"revision", "down_revision"})
-        if assigned is None or not isinstance(assigned.get("revision"), str):
-            return None
-        revisions.add(assigned["revision"])
-        down = assigned.get("down_revision", ())
-        if isinstance(down, str):
-            revised.add(down)
-        elif isinstance(down, (tuple, list)):
-            revised.update(down)
-        elif down is not None:
-            return None
-    return sorted(revisions - revised)
-
-
-def _literal_assignments(script: Path, names: set[str]) -> dict[str, object] | None:
-    try:
-        tree = ast.parse(script.read_text(encoding="utf-8"), filename=str(script))
-    except (OSError, SyntaxError, ValueError):
-        return None
-    found: dict[str, object] = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-        elif isinstance(node, ast.AnnAssign) and node.value is not None:
-            target, value = node.target, node.value
-        else:
-            continue
-        if isinstance(target, ast.Name) and target.id in names:
-            try:
-                found[target.id] = ast.literal_eval(value)
-            except ValueError:
-                return None
-    return found
 
 
 def current_revision(engine: Engine) -> str | None:
