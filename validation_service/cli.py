@@ -107,7 +107,9 @@ def _exit_code(exc: BaseException) -> int | None:
         return None  # not loaded: nothing could have raised one of its errors
     if isinstance(exc, errors.RayClusterNotFound):
         return EXIT_NOT_RUNNING
-    if isinstance(exc, errors.RegistryUnavailable):
+    # RegistryUnavailable exists once something made one (see errors.py).
+    unavailable = vars(errors).get("RegistryUnavailable")
+    if unavailable is not None and isinstance(exc, unavailable):
         return EXIT_FAILURE
     return EXIT_USAGE
 

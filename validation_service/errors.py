@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy.exc import DBAPIError
+import threading
 
 
 class CkvalError(Exception):
@@ -195,56 +195,85 @@ class PermanentValidationError(CkvalError):
     """Raise this from a validate_fn to fail the job at once, without retries."""
 
 
-class RegistryUnavailable(CkvalError, DBAPIError):
-    """The registry database could not be reached, or stayed locked.
+def __getattr__(name: str):
+    # RegistryUnavailable is also a sqlalchemy DBAPIError: the class is made on first
+    # use, so that importing this module (every ckval error) does not import SQLAlchemy,
+    # which the CLI's fast listings never load.
+    if name == "RegistryUnavailable":
+        return _registry_unavailable_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    Raised for lost connections (after a few quick reconnects) and for a database that
-    stays busy. It is also a sqlalchemy ``DBAPIError``, so code written against the
-    driver's errors keeps catching it; new code should catch this class instead.
-    """
 
-    def __init__(
-        self,
-        database: str,
-        cause: BaseException | None = None,
-        *,
-        source: str = "CKVAL_DATABASE_URL",
-    ):
-        orig = getattr(cause, "orig", cause)
-        DBAPIError.__init__(
+_class_lock = threading.Lock()
+
+
+def _registry_unavailable_class() -> type:
+    with _class_lock:
+        made = globals().get("RegistryUnavailable")
+        if made is None:
+            made = globals()["RegistryUnavailable"] = _make_registry_unavailable()
+        return made
+
+
+def _make_registry_unavailable() -> type:
+    from sqlalchemy.exc import DBAPIError
+
+    class RegistryUnavailable(CkvalError, DBAPIError):
+        """The registry database could not be reached, or stayed locked.
+
+        Raised for lost connections (after a few quick reconnects) and for a database that
+        stays busy. It is also a sqlalchemy ``DBAPIError``, so code written against the
+        driver's errors keeps catching it; new code should catch this class instead.
+        """
+
+        def __init__(
             self,
-            getattr(cause, "statement", None),
-            None,
-            orig,  # type: ignore[arg-type]
-            hide_parameters=True,
-            connection_invalidated=bool(getattr(cause, "connection_invalidated", False)),
-        )
-        self.database = database
-        self.source = source
-        # A lost connection, which a reconnect may cure (the Registry retries those).
-        self.disconnect = bool(getattr(cause, "connection_invalidated", False))
-        reason = f"{type(orig).__name__}: {one_line(str(orig))}" if orig is not None else "unknown"
-        self.message = (
-            f"The registry database {database} is unavailable ({reason}). Try again "
-            f"once it is reachable (check {source} and the server)."
-        )
+            database: str,
+            cause: BaseException | None = None,
+            *,
+            source: str = "CKVAL_DATABASE_URL",
+        ):
+            orig = getattr(cause, "orig", cause)
+            DBAPIError.__init__(
+                self,
+                getattr(cause, "statement", None),
+                None,
+                orig,  # type: ignore[arg-type]
+                hide_parameters=True,
+                connection_invalidated=bool(getattr(cause, "connection_invalidated", False)),
+            )
+            self.database = database
+            self.source = source
+            # A lost connection, which a reconnect may cure (the Registry retries those).
+            self.disconnect = bool(getattr(cause, "connection_invalidated", False))
+            reason = (
+                f"{type(orig).__name__}: {one_line(str(orig))}" if orig is not None else "unknown"
+            )
+            self.message = (
+                f"The registry database {database} is unavailable ({reason}). Try again "
+                f"once it is reachable (check {source} and the server)."
+            )
 
-    def __str__(self) -> str:
-        return self.message
+        def __str__(self) -> str:
+            return self.message
 
-    def __reduce__(self):
-        return _registry_unavailable, (
-            self.database,
-            self.orig,
-            self.connection_invalidated,
-            self.source,
-        )
+        def __reduce__(self):
+            return _registry_unavailable, (
+                self.database,
+                self.orig,
+                self.connection_invalidated,
+                self.source,
+            )
+
+    RegistryUnavailable.__module__ = __name__
+    RegistryUnavailable.__qualname__ = "RegistryUnavailable"
+    return RegistryUnavailable
 
 
 def _registry_unavailable(
     database: str, orig, connection_invalidated: bool, source: str = "CKVAL_DATABASE_URL"
 ):
-    error = RegistryUnavailable(database, orig, source=source)
+    error = _registry_unavailable_class()(database, orig, source=source)
     error.connection_invalidated = connection_invalidated
     return error
 
