@@ -79,6 +79,9 @@ def test_ckval_demo(tmp_path):
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     records = registry.checkpoints("demo-test")
     assert [r.validation_status for r in records] == ["VALIDATED"] * 3
+    # The run ended with the Ray Train run: `ckval runs` shows it FINISHED, not RUNNING.
+    [summary] = registry.run_summaries()
+    assert (summary.run.status, summary.run.ended_at is not None) == ("FINISHED", True)
     best = registry.best_checkpoint_records("demo-test", "accuracy", "max", k=3)
     assert best[0].metrics["accuracy"] > 0.8  # a real model on real data learns digits
     for record in best:

@@ -205,6 +205,7 @@ def run_demo(
     from ray.train import LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from trainer_integration.run_status import RunStatusCallback
     from validation_service.config import ckval_env, get_settings
     from validation_service.progress import ProgressRenderer
     from validation_service.registry.registry import Registry
@@ -245,6 +246,8 @@ def run_demo(
             name=run_name,
             storage_path=str(home / "ray_results"),
             logging_config=LoggingConfig(log_level="WARNING"),
+            # The ckval run ends FINISHED (or FAILED) with the Ray Train run.
+            callbacks=[RunStatusCallback(settings)],
         ),
     )
     print(f"training {epochs} epochs on {num_workers} workers, validating every epoch...")
