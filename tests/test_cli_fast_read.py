@@ -198,6 +198,9 @@ COMMANDS = [
     ["--namespace", "other", "checkpoints", "beta"],
     ["--namespace", "other", "jobs", "--json"],
     ["--namespace", "empty", "runs"],
+    # Out of range: the Registry's own first check, with its error.
+    ["best", "--metric", "accuracy", "-k", "1" + "0" * 30],
+    ["best", "alpha", "--metric", "loss", "-k", "10001"],
 ]
 
 
@@ -209,6 +212,13 @@ def test_fast_path_prints_what_the_registry_path_prints(url, args, monkeypatch):
         fast = invoke(["--database-url", url, *args], fast=True)
     assert fast == slow
     assert fast[1] or fast[2]
+
+
+def test_a_limit_beyond_64_bit_integers_is_a_usage_error_on_both_paths(url):
+    args = ["--database-url", url, "jobs", "--limit", "1" + "0" * 30]
+    fast = invoke(args, fast=True)
+    assert fast == invoke(args, fast=False)
+    assert fast[0] == 2 and "--limit" in fast[2] and "Traceback" not in fast[2]
 
 
 def test_the_namespace_comes_from_ckval_namespace_too(url, monkeypatch):

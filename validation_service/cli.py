@@ -268,7 +268,8 @@ def _checkpoint_table(
 @click.option("--pool", default=None, help="Only jobs of this resource pool, e.g. A10G.")
 @click.option(
     "--limit",
-    type=click.IntRange(min=1),
+    # One more than the limit is read, and a row count is a 64-bit integer.
+    type=click.IntRange(min=1, max=2**63 - 2),
     default=None,
     help=f"Show the newest N jobs  [default: all of RUN; {DEFAULT_QUEUE_LIMIT} of the queue]",
 )

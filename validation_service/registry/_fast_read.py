@@ -261,8 +261,11 @@ class FastReader:
     ) -> list[CheckpointRecord]:
         """As Registry.best_checkpoint_records: top-k by the effective values of a metric
         (the metric_values index order), ties to the earlier checkpoint."""
-        if mode not in ("max", "min") or not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise Unavailable(mode, k)
+        from validation_service.validation import check_k
+
+        check_k(k)  # the Registry's first check, with its error
+        if mode not in ("max", "min"):
+            raise Unavailable(mode)
         order = "DESC" if mode == "max" else "ASC"
         with self._snapshot() as db:
             run_id = None if run is None else self._require_run_id(db, run)
@@ -388,7 +391,8 @@ class FastReader:
 
 class _Snapshot:
     """One read transaction (the Registry reads each listing in one session), with any
-    sqlite3 error turned into Unavailable."""
+    sqlite3 error (or a parameter beyond SQLite's 64-bit integers) turned into
+    Unavailable."""
 
     def __init__(self, connection: sqlite3.Connection):
         self.connection = connection
@@ -405,7 +409,7 @@ class _Snapshot:
             self.connection.execute("ROLLBACK")
         except sqlite3.Error:
             pass
-        if isinstance(exc, sqlite3.Error):
+        if isinstance(exc, (sqlite3.Error, OverflowError)):
             raise Unavailable(exc) from exc
         if isinstance(exc, (ValueError, TypeError)):
             # A value this module cannot decode the way the ORM does.
