@@ -164,7 +164,11 @@ def _delete_local(mode: CheckpointUploadMode, delete: bool | None) -> bool:
 
 
 def _report_pointer(
-    line: RayReportLine | None, reporter: RunReporter, metrics: dict, checkpoint, stored
+    line: RayReportLine | None,
+    reporter: RunReporter,
+    metrics: dict,
+    checkpoint,
+    stored: StoredReport,
 ) -> None:
     """Hands Ray Train a pointer to the stored checkpoint, off the training thread.
 
