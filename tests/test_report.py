@@ -373,3 +373,25 @@ def test_every_ckval_error_survives_pickling_with_its_message_and_fields():
         assert str(copy) == str(error)
         assert copy.__dict__ == error.__dict__
     assert pickle.loads(pickle.dumps(samples[0])).report_indices == [3]
+
+
+def test_setting_a_run_up_warms_validation_workers_with_its_frameworks(service, unique_run):
+    """A run's first validations find worker processes started with torch imported."""
+    import ray
+
+    from trainer_integration._reporter import RunReporter
+
+    warmed = service.status()["warmed"]
+    RunReporter(unique_run).prepare()  # as rank 0 of a Ray Train run does; this imported torch
+    deadline = time.monotonic() + 120
+    while service.status()["warmed"] == warmed:
+        assert time.monotonic() < deadline, "setting the run up warmed no worker"
+        time.sleep(0.2)
+    # Only the frameworks the service allows are imported (torch with its metrics library),
+    # whatever a caller names.
+    workers = ray.get(service.warm_up(["torch", "calendar", "no_such_module_xyz"]), timeout=120)
+    assert workers and all(imported == ["torch", "torchmetrics"] for _, imported in workers)
+    time.sleep(3)  # idle: Ray keeps a worker for the next task while CPUs are free
+    for pid, _ in workers:
+        os.kill(pid, 0)  # raises ProcessLookupError if Ray had stopped it
+    assert Registry().find_run_id(unique_run) is None  # setting up wrote nothing

@@ -10,6 +10,7 @@ import logging
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -296,17 +297,22 @@ class RunReporter:
 
         Starts the background threads and finds the service, starting it if none runs
         (the embedded default), so that its cold start overlaps training instead of
-        following the first report.
+        following the first report; the service warms worker processes for the run's
+        first validations meanwhile.
         """
         self._reserving_thread().submit(lambda: None).result()
         self._storing_thread().submit(lambda: None).result()
         self._background_threads().submit(lambda: None).result()
         if self._start_service and self._service is None:
+            from validation_service.executors.ray_task import WARM_UP_MODULES
             from validation_service.service import ValidationService
 
             self._service = ValidationService.get(self.settings) or ValidationService.start(
                 settings=self.settings
             )
+            # Worker processes for the first validations, with the frameworks this
+            # training uses imported: not waited for (the service keeps what it allows).
+            self._service.warm_up(name for name in WARM_UP_MODULES if name in sys.modules)
 
     def reserve_index(self) -> int:
         """Reserves the report index of one report in the registry (creating the run).

@@ -13,10 +13,12 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 
 from validation_service.config import Settings
 from validation_service.errors import RegistryRejected
 from validation_service.executors import AttemptHandle, Executor, default_executors
+from validation_service.jobs import ExecutorKind
 from validation_service.registry.records import ClaimedJob, JobOutcome
 from validation_service.registry.registry import Registry
 from validation_service.retry import RetryPolicy
@@ -61,6 +63,7 @@ class Scheduler:
             "stale": 0,
             "timed_out": 0,
             "recovered": 0,
+            "warmed": 0,
             "ticks": 0,
         }
         # Logs SUCCEEDED jobs' metrics to the configured trackers (MLflow, W&B), off the loop.
@@ -79,6 +82,20 @@ class Scheduler:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+
+    def warm_up(self, modules: Iterable[str]) -> list:
+        """Starts worker processes for the CPU pool's free slots before a run's first
+        validations need them (see RayTaskExecutor.warm_up); returns the warm-up tasks'
+        object refs, or none where the executor has no warm-up."""
+        executor = self.executors.get(ExecutorKind.RAY_TASK.value)
+        if not hasattr(executor, "warm_up"):
+            return []
+        # list(): the loop's thread changes the dict; copying it holds the GIL throughout.
+        handles = [handle for _, handle in list(self._in_flight.values())]
+        busy = sum(1 for handle in handles if handle.job.pool == "CPU")
+        refs = executor.warm_up(self.settings.pool_size("CPU") - busy, modules)
+        self.stats["warmed"] += len(refs)
+        return refs
 
     @property
     def in_flight(self) -> int:

@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -45,6 +46,14 @@ class _ServiceActor:
 
     def check_leases(self) -> None:
         self.scheduler.check_leases()
+
+    def warm_up(self, modules: list[str]) -> list[tuple[int, list[str]]]:
+        """A run is starting: warm validation workers; returns each one's pid and imports."""
+        try:
+            return ray.get(self.scheduler.warm_up(modules), timeout=300)
+        except Exception:  # noqa: BLE001 - best effort: validations start workers anyway
+            logger.warning("warming validation workers failed", exc_info=True)
+            return []
 
     def ping(self) -> str:
         return self.scheduler.owner
@@ -92,6 +101,13 @@ class ServiceHandle:
     def check_leases(self) -> None:
         """After a cancellation: the service stops the cancelled attempts at once."""
         self.actor.check_leases.remote()
+
+    def warm_up(self, modules: Iterable[str] = ()) -> ray.ObjectRef:
+        """Asks the service to start validation worker processes now, importing those
+        of the named frameworks it allows (RayTaskExecutor.warm_up), so that a run's
+        first validations start warm. Does not wait: ray.get() the returned ref for the
+        workers' pids and imports."""
+        return self.actor.warm_up.remote(list(modules))
 
     def status(self, timeout_s: float = 30.0) -> dict[str, Any]:
         return ray.get(self.actor.status.remote(), timeout=timeout_s)

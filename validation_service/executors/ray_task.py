@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ray
@@ -24,6 +26,41 @@ def _validation_task(
     # The keys travel as an argument: Ray's state API shows a task's runtime_env, never
     # its arguments.
     return run_attempt(job, storage_root, storage_options, trust)
+
+
+# What a warm-up may import besides ckval's attempt code: the frameworks a validation of
+# a training's checkpoints most likely needs. A fixed list, so that a caller of the
+# service can never have it import anything else.
+WARM_UP_MODULES = (
+    "torch",
+    "torchmetrics",
+    "tensorflow",
+    "jax",
+    "lightning",
+    "sklearn",
+    "transformers",
+)
+# What validations of a framework's checkpoints usually import although training did not:
+# their metrics.
+COMPANIONS = {"torch": ("torchmetrics",)}
+
+
+@ray.remote(max_retries=0)
+def _warm_up_task(modules: tuple[str, ...]) -> tuple[int, list[str]]:
+    """Starts a worker process and imports what an attempt will; returns its pid and the
+    modules it imported. Ray keeps an idle worker for the next task while CPUs are free."""
+    # ckval's attempt code is imported already (this function's module imports it), all
+    # but Ray Train, which an attempt imports for the Checkpoint it hands validate_fn.
+    import ray.train  # noqa: F401
+
+    imported = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - best effort: a validation that needs it will say why
+            continue
+        imported.append(name)
+    return os.getpid(), imported
 
 
 @dataclasses.dataclass
@@ -58,6 +95,23 @@ class RayTaskExecutor:
             **task_options(job.resources),
         ).remote(job, job.storage_root, self.settings.storage_options, self.trust)
         return RayTaskHandle(job, time.monotonic(), ref)
+
+    def warm_up(self, count: int, modules: Iterable[str]) -> list[ray.ObjectRef]:
+        """Starts up to ``count`` worker processes for CPU validations, importing the
+        named frameworks (those in WARM_UP_MODULES only) and their COMPANIONS, so that a
+        run's first validations do not pay for a process start and framework imports.
+
+        Only CPUs free now are used: a warm-up never waits for resources, never holds
+        any back from a validation for long, and never makes an autoscaler add a node.
+        """
+        named = set(modules)
+        named.update(*(COMPANIONS.get(name, ()) for name in list(named)))
+        wanted = tuple(name for name in WARM_UP_MODULES if name in named)
+        free = int(ray.available_resources().get("CPU", 0))
+        return [
+            _warm_up_task.options(name="ckval-warm-up", num_cpus=1).remote(wanted)
+            for _ in range(max(0, min(count, free)))
+        ]
 
     def poll(self, handle: RayTaskHandle) -> JobOutcome | None:
         ready, _ = ray.wait([handle.ref], timeout=0)
