@@ -395,3 +395,27 @@ def test_setting_a_run_up_warms_validation_workers_with_its_frameworks(service, 
     for pid, _ in workers:
         os.kill(pid, 0)  # raises ProcessLookupError if Ray had stopped it
     assert Registry().find_run_id(unique_run) is None  # setting up wrote nothing
+
+
+def test_between_runs_the_service_keeps_its_workers_warm_but_only_on_an_idle_cluster(service):
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def training_step(seconds):
+        time.sleep(seconds)
+
+    def warmed_within(seconds) -> bool:
+        before, deadline = service.status()["warmed"], time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if service.status()["warmed"] > before:
+                return True
+            time.sleep(0.2)
+        return False
+
+    ray.get(service.warm_up(["torch"]), timeout=120)  # as a run's set-up does
+    assert warmed_within(30)  # idle cluster: the pool's workers are kept started
+    busy = training_step.remote(8)  # one CPU in use: nothing is taken from it
+    time.sleep(1)
+    assert not warmed_within(5)
+    ray.get(busy)
+    assert warmed_within(30)

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 # How long a woken loop waits for more wake-ups before it ticks (a cap on ticks/s).
 COALESCE_S = 0.005
+# How often an idle service looks whether the cluster is idle, to keep workers warm.
+KEEP_WARM_S = 2.0
 
 
 class Scheduler:
@@ -57,6 +59,9 @@ class Scheduler:
         # -inf: the first tick heartbeats and scans, whatever the monotonic clock reads.
         self._last_heartbeat = -math.inf
         self._last_expiry_scan = -math.inf
+        self._last_keep_warm = -math.inf
+        # The frameworks the last run's warm-up named; kept warm between runs.
+        self._warm_modules: tuple[str, ...] | None = None
         self.stats = {
             "claimed": 0,
             "finished": 0,
@@ -87,6 +92,7 @@ class Scheduler:
         """Starts worker processes for the CPU pool's free slots before a run's first
         validations need them (see RayTaskExecutor.warm_up); returns the warm-up tasks'
         object refs, or none where the executor has no warm-up."""
+        self._warm_modules = tuple(modules)
         executor = self.executors.get(ExecutorKind.RAY_TASK.value)
         if not hasattr(executor, "warm_up"):
             return []
@@ -94,6 +100,20 @@ class Scheduler:
         handles = [handle for _, handle in list(self._in_flight.values())]
         busy = sum(1 for handle in handles if handle.job.pool == "CPU")
         refs = executor.warm_up(self.settings.pool_size("CPU") - busy, modules)
+        self.stats["warmed"] += len(refs)
+        return refs
+
+    def keep_warm(self) -> list:
+        """Between runs, keeps the CPU pool's workers warm for the next run's first
+        validations: when no validation runs here and no CPU of the cluster is in use, it
+        starts (or, as a rule, finds idle and reuses) a worker per slot on the service's
+        own node, importing what the last run's warm-up named. Never while anything else
+        runs, so it takes no CPU from training or other validations, and never on a node
+        an autoscaler could remove."""
+        executor = self.executors.get(ExecutorKind.RAY_TASK.value)
+        if self._warm_modules is None or self._in_flight or not hasattr(executor, "keep_warm"):
+            return []
+        refs = executor.keep_warm(self.settings.pool_size("CPU"), self._warm_modules)
         self.stats["warmed"] += len(refs)
         return refs
 
@@ -153,6 +173,12 @@ class Scheduler:
         self._collect()
         self._enforce_timeouts()
         self._claim_and_launch()
+        if self.settings.keep_warm and now - self._last_keep_warm >= KEEP_WARM_S:
+            self._last_keep_warm = now
+            try:
+                self.keep_warm()
+            except Exception:  # noqa: BLE001 - best effort: validations start workers anyway
+                logger.debug("keeping validation workers warm failed", exc_info=True)
 
     def _claim_and_launch(self) -> None:
         # A read first: the write transaction of a claim only when a pool has due work

@@ -104,13 +104,29 @@ class RayTaskExecutor:
         Only CPUs free now are used: a warm-up never waits for resources, never holds
         any back from a validation for long, and never makes an autoscaler add a node.
         """
+        free = int(ray.available_resources().get("CPU", 0))
+        return self._warm_up(min(count, free), modules)
+
+    def keep_warm(self, count: int, modules: Iterable[str]) -> list[ray.ObjectRef]:
+        """warm_up() on this process's node, only while no CPU of the cluster is in use."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        total = int(ray.cluster_resources().get("CPU", 0))
+        if int(ray.available_resources().get("CPU", 0)) < total:
+            return []  # training or validations run: no CPU is taken from them
+        node_id = ray.get_runtime_context().get_node_id()
+        [node] = [node for node in ray.nodes() if node["NodeID"] == node_id]
+        here = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        count = min(count, int(node["Resources"].get("CPU", 0)))
+        return self._warm_up(count, modules, scheduling_strategy=here)
+
+    def _warm_up(self, count: int, modules: Iterable[str], **options) -> list[ray.ObjectRef]:
         named = set(modules)
         named.update(*(COMPANIONS.get(name, ()) for name in list(named)))
         wanted = tuple(name for name in WARM_UP_MODULES if name in named)
-        free = int(ray.available_resources().get("CPU", 0))
         return [
-            _warm_up_task.options(name="ckval-warm-up", num_cpus=1).remote(wanted)
-            for _ in range(max(0, min(count, free)))
+            _warm_up_task.options(name="ckval-warm-up", num_cpus=1, **options).remote(wanted)
+            for _ in range(max(0, count))
         ]
 
     def poll(self, handle: RayTaskHandle) -> JobOutcome | None:
