@@ -16,6 +16,13 @@ os.environ["CKVAL_HOME"] = str(_SESSION_HOME)
 os.environ.pop("CKVAL_DATABASE_URL", None)
 os.environ.pop("CKVAL_STORAGE", None)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray Train's controller looks at its workers every 2 s: every report of a Ray Train run
+# waits for such a look, and so does the end of each run. No test measures Ray's timing,
+# so the session's runs (and the scripts it starts) are looked at every 0.1 s.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+# Every test ends with the cluster idle: a service keeping workers warm would start them
+# again after each one. The test of that feature starts a service of its own.
+os.environ["CKVAL_KEEP_WARM"] = "0"
 
 POSTGRES_URL = os.environ.get(
     "CKVAL_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"

@@ -397,8 +397,22 @@ def test_setting_a_run_up_warms_validation_workers_with_its_frameworks(service, 
     assert Registry().find_run_id(unique_run) is None  # setting up wrote nothing
 
 
-def test_between_runs_the_service_keeps_its_workers_warm_but_only_on_an_idle_cluster(service):
+def test_between_runs_the_service_keeps_its_workers_warm_but_only_on_an_idle_cluster(
+    ray_session, tmp_path
+):
     import ray
+
+    from validation_service.config import get_settings
+    from validation_service.service import ValidationService
+
+    # The session's service does not keep workers warm (see conftest): a service that does.
+    settings = get_settings(
+        database_url=f"sqlite:///{tmp_path / 'warm.db'}",
+        storage=str(tmp_path / "checkpoints"),
+        service_name=f"ckval-warm-{tmp_path.name}",
+        keep_warm=True,
+    )
+    service = ValidationService.start(settings=settings)
 
     @ray.remote(num_cpus=1)
     def training_step(seconds):
@@ -412,10 +426,13 @@ def test_between_runs_the_service_keeps_its_workers_warm_but_only_on_an_idle_clu
             time.sleep(0.2)
         return False
 
-    ray.get(service.warm_up(["torch"]), timeout=120)  # as a run's set-up does
-    assert warmed_within(30)  # idle cluster: the pool's workers are kept started
-    busy = training_step.remote(8)  # one CPU in use: nothing is taken from it
-    time.sleep(1)
-    assert not warmed_within(5)
-    ray.get(busy)
-    assert warmed_within(30)
+    try:
+        ray.get(service.warm_up(["torch"]), timeout=120)  # as a run's set-up does
+        assert warmed_within(30)  # idle cluster: the pool's workers are kept started
+        busy = training_step.remote(8)  # one CPU in use: nothing is taken from it
+        time.sleep(1)
+        assert not warmed_within(5)
+        ray.get(busy)
+        assert warmed_within(30)
+    finally:
+        service.stop()
