@@ -375,14 +375,33 @@ def test_every_ckval_error_survives_pickling_with_its_message_and_fields():
     assert pickle.loads(pickle.dumps(samples[0])).report_indices == [3]
 
 
-def test_setting_a_run_up_warms_validation_workers_with_its_frameworks(service, unique_run):
+@pytest.fixture
+def warming_service(ray_session, tmp_path):
+    """A service of its own that keeps workers warm (the session's does not: conftest)."""
+    from validation_service.config import get_settings
+    from validation_service.service import ValidationService
+
+    settings = get_settings(
+        database_url=f"sqlite:///{tmp_path / 'warm.db'}",
+        storage=str(tmp_path / "checkpoints"),
+        service_name=f"ckval-warm-{tmp_path.name}",
+        keep_warm=True,
+    )
+    service = ValidationService.start(settings=settings)
+    yield service
+    service.stop()
+
+
+def test_setting_a_run_up_warms_validation_workers_with_its_frameworks(warming_service, unique_run):
     """A run's first validations find worker processes started with torch imported."""
     import ray
 
     from trainer_integration._reporter import RunReporter
 
+    service = warming_service
     warmed = service.status()["warmed"]
-    RunReporter(unique_run).prepare()  # as rank 0 of a Ray Train run does; this imported torch
+    # As rank 0 of a Ray Train run does; this process imported torch.
+    RunReporter(unique_run, service.settings).prepare()
     deadline = time.monotonic() + 120
     while service.status()["warmed"] == warmed:
         assert time.monotonic() < deadline, "setting the run up warmed no worker"
@@ -394,25 +413,15 @@ def test_setting_a_run_up_warms_validation_workers_with_its_frameworks(service, 
     time.sleep(3)  # idle: Ray keeps a worker for the next task while CPUs are free
     for pid, _ in workers:
         os.kill(pid, 0)  # raises ProcessLookupError if Ray had stopped it
-    assert Registry().find_run_id(unique_run) is None  # setting up wrote nothing
+    assert Registry(settings=service.settings).find_run_id(unique_run) is None  # nothing written
 
 
 def test_between_runs_the_service_keeps_its_workers_warm_but_only_on_an_idle_cluster(
-    ray_session, tmp_path
+    warming_service,
 ):
     import ray
 
-    from validation_service.config import get_settings
-    from validation_service.service import ValidationService
-
-    # The session's service does not keep workers warm (see conftest): a service that does.
-    settings = get_settings(
-        database_url=f"sqlite:///{tmp_path / 'warm.db'}",
-        storage=str(tmp_path / "checkpoints"),
-        service_name=f"ckval-warm-{tmp_path.name}",
-        keep_warm=True,
-    )
-    service = ValidationService.start(settings=settings)
+    service = warming_service
 
     @ray.remote(num_cpus=1)
     def training_step(seconds):
@@ -426,13 +435,23 @@ def test_between_runs_the_service_keeps_its_workers_warm_but_only_on_an_idle_clu
             time.sleep(0.2)
         return False
 
-    try:
-        ray.get(service.warm_up(["torch"]), timeout=120)  # as a run's set-up does
-        assert warmed_within(30)  # idle cluster: the pool's workers are kept started
-        busy = training_step.remote(8)  # one CPU in use: nothing is taken from it
-        time.sleep(1)
-        assert not warmed_within(5)
-        ray.get(busy)
-        assert warmed_within(30)
-    finally:
-        service.stop()
+    ray.get(service.warm_up(["torch"]), timeout=120)  # as a run's set-up does
+    assert warmed_within(30)  # idle cluster: the pool's workers are kept started
+    busy = training_step.remote(8)  # one CPU in use: nothing is taken from it
+    time.sleep(1)
+    assert not warmed_within(5)
+    ray.get(busy)
+    assert warmed_within(30)
+
+
+def test_a_service_told_not_to_keep_workers_warm_starts_none(service, unique_run):
+    import ray
+
+    from trainer_integration._reporter import RunReporter
+
+    assert not service.settings.keep_warm  # CKVAL_KEEP_WARM=0 (conftest)
+    warmed = service.status()["warmed"]
+    RunReporter(unique_run).prepare()
+    assert ray.get(service.warm_up(["torch"]), timeout=60) == []
+    time.sleep(3)  # two of its keep-warm looks
+    assert service.status()["warmed"] == warmed

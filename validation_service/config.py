@@ -67,9 +67,9 @@ class Settings(BaseSettings):
     poll_interval_s: float = 1.0
     retry_backoff_s: float = 1.0
     retry_backoff_max_s: float = 300.0
-    # While the cluster is idle, the service keeps its CPU pool's worker processes
-    # started on its own node, with the frameworks the last run used imported, so that
-    # the next run's first validations start warm (see Scheduler.keep_warm).
+    # The service starts its CPU pool's worker processes as a run sets up, and keeps them
+    # started while the cluster is idle, with the frameworks the run uses imported, so
+    # that a run's first validations start warm (Scheduler.warm_up and keep_warm).
     keep_warm: bool = True
     # How long report() keeps delivering a report in the background while the registry
     # is unreachable, before the next report() raises ReportNotDelivered.

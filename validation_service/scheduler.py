@@ -91,10 +91,10 @@ class Scheduler:
     def warm_up(self, modules: Iterable[str]) -> list:
         """Starts worker processes for the CPU pool's free slots before a run's first
         validations need them (see RayTaskExecutor.warm_up); returns the warm-up tasks'
-        object refs, or none where the executor has no warm-up."""
+        object refs, or none where the executor has no warm-up or keep_warm is off."""
         self._warm_modules = tuple(modules)
         executor = self.executors.get(ExecutorKind.RAY_TASK.value)
-        if not hasattr(executor, "warm_up"):
+        if not self.settings.keep_warm or not hasattr(executor, "warm_up"):
             return []
         # list(): the loop's thread changes the dict; copying it holds the GIL throughout.
         handles = [handle for _, handle in list(self._in_flight.values())]

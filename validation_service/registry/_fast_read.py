@@ -67,6 +67,7 @@ CHECKED_SETTINGS = frozenset(
         "lease_s",
         "heartbeat_s",
         "poll_interval_s",
+        "keep_warm",
         "retry_backoff_s",
         "retry_backoff_max_s",
         "delivery_timeout_s",
