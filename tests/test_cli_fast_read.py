@@ -144,6 +144,15 @@ def populate(path: Path) -> str:
     return url
 
 
+@pytest.fixture(autouse=True)
+def _no_session_settings(monkeypatch):
+    """The session's CKVAL_* variables but CKVAL_HOME are unset here: a checked one (the
+    session sets CKVAL_KEEP_WARM) sends every listing to the Registry path."""
+    for name in [name for name in os.environ if name.startswith("CKVAL_")]:
+        if name != "CKVAL_HOME":
+            monkeypatch.delenv(name)
+
+
 @pytest.fixture(scope="module")
 def url(tmp_path_factory) -> str:
     return populate(tmp_path_factory.mktemp("fast-read") / "registry.db")
