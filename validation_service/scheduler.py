@@ -96,9 +96,7 @@ class Scheduler:
         executor = self.executors.get(ExecutorKind.RAY_TASK.value)
         if not self.settings.keep_warm or not hasattr(executor, "warm_up"):
             return []
-        # list(): the loop's thread changes the dict; copying it holds the GIL throughout.
-        handles = [handle for _, handle in list(self._in_flight.values())]
-        busy = sum(1 for handle in handles if handle.job.pool == "CPU")
+        busy = self._busy_by_pool().get("CPU", 0)
         refs = executor.warm_up(self.settings.pool_size("CPU") - busy, modules)
         self.stats["warmed"] += len(refs)
         return refs
@@ -116,6 +114,14 @@ class Scheduler:
         refs = executor.keep_warm(self.settings.pool_size("CPU"), self._warm_modules)
         self.stats["warmed"] += len(refs)
         return refs
+
+    def _busy_by_pool(self) -> dict[str, int]:
+        """How many attempts run in each pool. list(): warm_up() reads this from another
+        thread than the loop's, which changes the dict; copying it holds the GIL."""
+        busy: dict[str, int] = {}
+        for _, handle in list(self._in_flight.values()):
+            busy[handle.job.pool] = busy.get(handle.job.pool, 0) + 1
+        return busy
 
     @property
     def in_flight(self) -> int:
@@ -183,9 +189,7 @@ class Scheduler:
     def _claim_and_launch(self) -> None:
         # A read first: the write transaction of a claim only when a pool has due work
         # and room, so nudges and polls do not contend with reporters for the write lock.
-        busy: dict[str, int] = {}
-        for _, handle in self._in_flight.values():
-            busy[handle.job.pool] = busy.get(handle.job.pool, 0) + 1
+        busy = self._busy_by_pool()
         if not any(
             busy.get(pool, 0) < self.settings.pool_size(pool) for pool in self.registry.due_pools()
         ):
