@@ -11,7 +11,9 @@ checkpoint is validated three ways, in one run of this script:
   ``ray.train.report(metrics, checkpoint, checkpoint_upload_mode=ASYNC, validation=True)``
   on a ``tempfile.mkdtemp()`` folder, the call of Ray's async-validation guide (Ray Train
   2.60: ``fn`` is called as ``fn(checkpoint, **fn_kwargs)``; Ray deletes the folder once
-  uploaded). Every rank reports in ASYNC mode;
+  uploaded; Ray 2.51-2.53 spell it ``ray.train.report(..., validate_fn=fn,
+  validate_config=kwargs)``, which the benchmark uses there). Every rank reports in ASYNC
+  mode;
 - ``native-sync``: the same in Ray's default SYNC mode;
 - ``ckval``: ``trainer_integration.report(..., validate_fn=..., validate_config=...)``
   (SYNC, its default) with the ckval service started with 2 concurrent CPU validations;
@@ -87,6 +89,7 @@ import torch
 from _common import fresh_ckval_home, load_average, pickle_by_value, run_description
 from torch import nn
 
+from validation_service._ray_compat import native_validation
 from validation_service.demo import load_digits_split, make_model
 
 WAYS = ("inline", "native", "native-sync", "ckval", "ckval-async")
@@ -253,12 +256,14 @@ def _report(config: dict, rank: int, model: nn.Module, metrics: dict, timings: d
             started = time.perf_counter()
             ray.train.report({**metrics, **validated}, checkpoint=checkpoint)
         elif way.startswith("native"):
+            # validation=True (Ray 2.54+) or validate_fn=/validate_config= (2.51-2.53).
+            native = native_validation(native_validate_fn, config["validate_kwargs"])
             started = time.perf_counter()
             ray.train.report(
                 metrics,
                 checkpoint=checkpoint,
                 checkpoint_upload_mode=ray.train.CheckpointUploadMode[mode],
-                validation=True,
+                **native.report_kwargs,
             )
         else:
             from trainer_integration import CheckpointUploadMode, report
@@ -366,16 +371,10 @@ def run_inline(bench: Bench, scenario: str, checkpoints: int, steps: int) -> Way
 def run_native(
     bench: Bench, scenario: str, checkpoints: int, steps: int, way: str = "native"
 ) -> WayResult:
-    from ray.train import ValidationConfig, ValidationTaskConfig
-
     run, config = _run_config(bench, way, scenario, checkpoints, steps)
-    validation_config = ValidationConfig(
-        fn=native_validate_fn,
-        task_config=ValidationTaskConfig(fn_kwargs=config["validate_kwargs"]),
-        ray_remote_kwargs={"num_cpus": 1},
-    )
+    native = native_validation(native_validate_fn, config["validate_kwargs"], {"num_cpus": 1})
     started = time.time()
-    trainer = bench.trainer(way, run, config, validation_config=validation_config)
+    trainer = bench.trainer(way, run, config, **native.trainer_kwargs)
     result = trainer.fit()
     return _ray_result(bench, run, scenario, way, checkpoints, steps, started, result)
 

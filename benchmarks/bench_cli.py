@@ -68,9 +68,9 @@ def populate(home: Path, runs: int, checkpoints: int) -> None:
         executor_kind="ray_task", pool="CPU", validate_fn_name="v", validate_fn_ref="json:dumps"
     )
     for r in range(runs):
-        run_id = registry.ensure_run(f"run-{r}", storage_root=str(home / "checkpoints"))
+        run_id = registry.ledger.ensure_run(f"run-{r}", storage_root=str(home / "checkpoints"))
         for index in range(checkpoints):
-            registry.register_checkpoint(
+            registry.ledger.register_checkpoint(
                 run_id,
                 index,
                 uri=str(home / "checkpoints" / f"run-{r}" / str(index)),
@@ -79,11 +79,13 @@ def populate(home: Path, runs: int, checkpoints: int) -> None:
                 reported_metrics={"loss": 1.0 / (index + 1), "epoch": index},
                 job=request,
             )
-    while claimed := registry.claim_due_jobs("bench", {"CPU": 64}, lease_s=60, max_jobs=64):
+    while claimed := registry.job_queue.claim_due_jobs(
+        "bench", {"CPU": 64}, lease_s=60, max_jobs=64
+    ):
         for job in claimed:
             accuracy = 0.5 + (job.report_index % 37) / 100
             outcome = JobOutcome(succeeded=True, metrics={"accuracy": accuracy})
-            registry.finish_job(job.job_id, job.lease_token, outcome)
+            registry.job_queue.finish_job(job.job_id, job.lease_token, outcome)
     registry.close()
 
 

@@ -41,7 +41,7 @@ def load(registry, size: int, runs: int) -> float:
     per_run = size // runs
     start = time.perf_counter()
     for r in range(runs):
-        run_id = registry.ensure_run(f"run-{r}", storage_root="/bench")
+        run_id = registry.ledger.ensure_run(f"run-{r}", storage_root="/bench")
         for first in range(0, per_run, 20_000):
             batch = [
                 {
@@ -51,7 +51,7 @@ def load(registry, size: int, runs: int) -> float:
                 }
                 for i in range(first, min(first + 20_000, per_run))
             ]
-            registry.import_checkpoints(run_id, batch)
+            registry.ledger.import_checkpoints(run_id, batch)
     return time.perf_counter() - start
 
 
@@ -76,7 +76,7 @@ def bench_best(backends: list[str], sizes: list[int], runs: int, repeats: int) -
             try:
                 registry = Registry(database.url, upgrade=True)
                 load_s = load(registry, size, runs)
-                registry.analyze()
+                registry.ledger.analyze()
                 time_best(registry, "run-0", 3)  # warm the cache
                 in_run = time_best(registry, "run-0", repeats)
                 across = time_best(registry, None, repeats)

@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import ray
 import ray.train
-from ray.train import LoggingConfig, RunConfig, ScalingConfig
+from ray.train import RunConfig, ScalingConfig
 from ray.train.tensorflow import TensorflowTrainer
 
 from trainer_integration import ray_results_path
@@ -65,6 +65,7 @@ def main() -> None:
     # Quiet: Ray's warnings only on the driver; workers' output stays in Ray's log files.
     ray.init(log_to_driver=False, logging_level=logging.WARNING, include_dashboard=False)
     dataset = ray.data.from_items([{"x": x / 200, "y": 2 * x / 200} for x in range(200)])
+    train_logging = getattr(ray.train, "LoggingConfig", None)
     trainer = TensorflowTrainer(
         train_func,
         train_loop_config={"epochs": args.epochs, "lr": 0.05},
@@ -72,7 +73,8 @@ def main() -> None:
         run_config=RunConfig(
             name=args.run,
             storage_path=ray_results_path(),  # under CKVAL_HOME, next to ckval's files
-            logging_config=LoggingConfig(log_level="WARNING"),
+            # ray.train.LoggingConfig: Ray 2.56+ (earlier releases log at their default)
+            **({"logging_config": train_logging(log_level="WARNING")} if train_logging else {}),
         ),
         datasets={"train": dataset},
     )

@@ -15,7 +15,7 @@ import numpy as np
 import ray.train
 import ray.train.torch
 import torch
-from ray.train import Checkpoint, LoggingConfig, RunConfig, ScalingConfig
+from ray.train import Checkpoint, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -93,6 +93,7 @@ def main():
         log_to_driver=False,
         logging_level=logging.WARNING,
     )
+    train_logging = getattr(ray.train, "LoggingConfig", None)
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"lr": 0.01, "epochs": args.epochs},
@@ -102,7 +103,8 @@ def main():
             # Ray Train's results next to ckval's, under CKVAL_HOME (not ~/ray_results).
             storage_path=ray_results_path(),
             # Ray Train logs each report and worker start at INFO: warnings only.
-            logging_config=LoggingConfig(log_level="WARNING"),
+            # ray.train.LoggingConfig: Ray 2.56+ (earlier releases log at their default)
+            **({"logging_config": train_logging(log_level="WARNING")} if train_logging else {}),
         ),
     )
     result = trainer.fit()

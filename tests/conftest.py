@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -107,7 +108,8 @@ def registry(request, tmp_path):
         # Each test starts from an empty queue (the database lives for the session).
         conn.exec_driver_sql(
             "TRUNCATE runs, checkpoints, metric_values, validation_jobs, validation_attempts, "
-            "checkpoint_aliases, tracked_aliases, checkpoint_tags, retention_policies "
+            "checkpoint_aliases, tracked_aliases, checkpoint_tags, retention_policies, "
+            "stop_policies, stop_decisions "
             "RESTART IDENTITY CASCADE"
         )
     yield reg
@@ -117,3 +119,18 @@ def registry(request, tmp_path):
 @pytest.fixture
 def unique_run(request) -> str:
     return f"{request.node.name[:40]}-{uuid.uuid4().hex[:6]}".replace("[", "-").replace("]", "")
+
+
+@pytest.fixture(autouse=True)
+def no_started_run_outlives_its_test():
+    """start_run() names this process's run until its Client closes; a test that leaves its
+    Client open must not hand that run to the next test's report() or callbacks, nor keep
+    a should_stop() watcher reading a registry that is gone."""
+    yield
+    started = sys.modules.get("trainer_integration")
+    if started is not None:
+        started._current_run = None
+    stopping = sys.modules.get("trainer_integration._stopping")
+    if stopping is not None:  # nor should a should_stop() watcher of its run
+        for run in list(stopping._watchers):
+            stopping.forget(run)

@@ -8,8 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import click
+from sqlalchemy import delete
 
 from validation_service.cli_registry import COMMANDS
+from validation_service.registry import retention
+from validation_service.registry.models import RetentionPolicy, utcnow
 from validation_service.registry.records import JobOutcome
 from validation_service.registry.registry import Registry
 from validation_service.request import ValidationRequest
@@ -29,17 +32,19 @@ def report(
     validate: bool = False,
     workdir: Path,
 ) -> list[str]:
-    """Uploads one small checkpoint folder per metrics dict and registers it; returns URIs."""
-    run_id = registry.ensure_run(run, storage_root=storage.root_uri)
-    first = registry.next_report_index(run_id)
+    """Uploads one small checkpoint folder per metrics dict into the run's folder (as
+    report() does: each attempt has its own) and registers it; returns the URIs."""
+    run_id = registry.ledger.ensure_run(run, storage_root=storage.root_uri)
+    attempt = registry.run_attempts(run)[-1].attempt
+    first = registry.ledger.next_report_index(run_id)
     uris = []
     for offset, metrics in enumerate(reported):
         index = first + offset
         source = workdir / f"src-{run}-{run_id}-{index}"
         source.mkdir(parents=True)
         (source / "model.txt").write_text(f"{run} {index}")
-        persisted = storage.upload(source, registry.namespace, f"{run}-{run_id}", index)
-        registry.register_checkpoint(
+        persisted = storage.upload(source, registry.namespace, run, index, attempt=attempt)
+        registry.ledger.register_checkpoint(
             run_id,
             index,
             uri=persisted.uri,
@@ -56,14 +61,34 @@ def report(
 def finish_validations(registry: Registry, results: dict[int, dict[str, Any]]) -> dict[int, int]:
     """Claims the due jobs as a scheduler does; the job of report index i (any run)
     succeeds with results[i]. Returns report index -> job id of those finished."""
-    claimed = registry.claim_due_jobs("test-owner", {"CPU": 1000}, lease_s=60)
+    claimed = registry.job_queue.claim_due_jobs("test-owner", {"CPU": 1000}, lease_s=60)
     finished = {}
     for job in claimed:
         if job.report_index in results:
             outcome = JobOutcome(succeeded=True, metrics=results[job.report_index])
-            assert registry.finish_job(job.job_id, job.lease_token, outcome)
+            assert registry.job_queue.finish_job(job.job_id, job.lease_token, outcome)
             finished[job.report_index] = job.job_id
     return finished
+
+
+def delete_checkpoint(registry: Registry, checkpoint_id: int) -> None:
+    """Marks one checkpoint deleted as retention does (its files stay): it must be one
+    that retention may delete, with no validation in flight and no alias."""
+    with registry.db.write() as conn:
+        assert retention.mark_deleted(conn, [checkpoint_id], utcnow()) == {checkpoint_id}
+
+
+def stored_policies(registry: Registry) -> dict[str | None, retention.RetentionRule]:
+    """Run name (None: the namespace's own) -> the retention policy stored for it."""
+    with registry.db.read() as session:
+        return retention.policies(session, registry.namespace)
+
+
+def clear_policies(registry: Registry) -> None:
+    """Removes the namespace's stored retention policies (PostgreSQL's test database
+    lives for the session)."""
+    with registry.db.write() as conn:
+        conn.execute(delete(RetentionPolicy).where(RetentionPolicy.namespace == registry.namespace))
 
 
 def cli_group() -> click.Group:

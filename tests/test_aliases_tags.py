@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from tests.registry_world import cli_group, finish_validations, report
+from tests.registry_world import cli_group, delete_checkpoint, finish_validations, report
 from validation_service.api_registry import registry_router
 from validation_service.errors import AliasNotFound, InvalidInput
 from validation_service.registry.models import CheckpointAlias
@@ -121,7 +121,8 @@ def test_a_tracked_alias_follows_the_best_validated_checkpoint(registry, storage
     report(registry, storage, "tracked", [{"loss": 0.5}], validate=True, workdir=tmp_path)
     finish_validations(registry, {2: {"accuracy": 0.7}, 3: {"accuracy": 0.95}})
     assert registry.aliases("tracked") == {"best": 3}
-    assert registry.refresh_tracked_aliases("tracked") == {"best": 3}
+    run_id = registry.find_run_id("tracked")
+    assert registry.housekeeping.refresh_tracked_aliases(run_id) == {"best": 3}
 
 
 def test_tags_filter_checkpoints_and_best_checkpoints(world):
@@ -161,7 +162,7 @@ def test_an_alias_on_a_missing_report_index_is_refused(world):
 
 
 def test_an_alias_on_a_deleted_checkpoint_is_refused(world):
-    world.delete_checkpoint(world.checkpoints(RUN)[1].id)
+    delete_checkpoint(world, world.checkpoints(RUN)[1].id)
     with pytest.raises(InvalidInput, match="was deleted"):
         world.set_alias(RUN, "best", 1)
     assert world.aliases(RUN) == {}

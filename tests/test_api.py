@@ -35,10 +35,10 @@ class World:
 def _report(
     registry: Registry, tmp_path: Path, run: str, reported: list[dict[str, float]]
 ) -> list[int]:
-    run_id = registry.ensure_run(run, storage_root=str(tmp_path))
+    run_id = registry.ledger.ensure_run(run, storage_root=str(tmp_path))
     job_ids = []
     for index, metrics in enumerate(reported):
-        registration = registry.register_checkpoint(
+        registration = registry.ledger.register_checkpoint(
             run_id,
             index,
             uri=f"{tmp_path}/{run}/checkpoint_{index:06d}",
@@ -55,10 +55,10 @@ def _report(
 
 def _finish(registry: Registry, outcomes: dict[int, JobOutcome]) -> None:
     """Claims every due job as a scheduler would and records the given outcomes."""
-    claimed = registry.claim_due_jobs("test-owner", {"CPU": 100}, lease_s=60)
+    claimed = registry.job_queue.claim_due_jobs("test-owner", {"CPU": 100}, lease_s=60)
     tokens = {job.job_id: job.lease_token for job in claimed}
     for job_id, outcome in outcomes.items():
-        assert registry.finish_job(job_id, tokens[job_id], outcome)
+        assert registry.job_queue.finish_job(job_id, tokens[job_id], outcome)
 
 
 def _validated(metrics: dict[str, float]) -> JobOutcome:
@@ -102,9 +102,9 @@ def world(tmp_path: Path) -> Iterator[World]:
         retryable=False,
         node_id="node-b",
     )
-    claimed = registry.claim_due_jobs("test-owner", {"CPU": 100}, lease_s=60)
+    claimed = registry.job_queue.claim_due_jobs("test-owner", {"CPU": 100}, lease_s=60)
     token = next(c.lease_token for c in claimed if c.job_id == jobs["gamma"][1])
-    assert registry.finish_job(jobs["gamma"][1], token, failure)
+    assert registry.job_queue.finish_job(jobs["gamma"][1], token, failure)
     # Put report 0 back in the queue as a fresh QUEUED job (cancel + retry via the registry).
     registry.cancel_jobs([jobs["gamma"][0]])
     registry.retry_jobs([jobs["gamma"][0]])

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import ray
 from click.testing import CliRunner
-from fastapi import APIRouter
+from fastapi import APIRouter, WebSocket
 from fastapi.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
 
 from validation_service.api import (
     TOKEN_COOKIE,
@@ -44,9 +45,9 @@ def _request(max_attempts: int = 3) -> ValidationRequest:
 
 def _report(registry: Registry, tmp_path: Path, run: str, max_attempts: int = 3) -> int:
     """One checkpoint of ``run`` with its QUEUED validation job; returns the job id."""
-    run_id = registry.ensure_run(run, storage_root=str(tmp_path))
-    index = registry.next_report_index(run_id)
-    registration = registry.register_checkpoint(
+    run_id = registry.ledger.ensure_run(run, storage_root=str(tmp_path))
+    index = registry.ledger.next_report_index(run_id)
+    registration = registry.ledger.register_checkpoint(
         run_id,
         index,
         uri=f"{tmp_path}/{registry.namespace}/{run}/checkpoint_{index:06d}",
@@ -61,14 +62,14 @@ def _report(registry: Registry, tmp_path: Path, run: str, max_attempts: int = 3)
 def _fail_due_jobs(registry: Registry) -> list[int]:
     """Claims every due job as a scheduler would and fails each attempt for good."""
     failed = []
-    for claimed in registry.claim_due_jobs("security-test", {"CPU": 100}, lease_s=60):
+    for claimed in registry.job_queue.claim_due_jobs("security-test", {"CPU": 100}, lease_s=60):
         outcome = JobOutcome(
             succeeded=False,
             error_type="ValueError",
             error_message="bad checkpoint",
             retryable=False,
         )
-        assert registry.finish_job(claimed.job_id, claimed.lease_token, outcome)
+        assert registry.job_queue.finish_job(claimed.job_id, claimed.lease_token, outcome)
         failed.append(claimed.job_id)
     return failed
 
@@ -461,7 +462,7 @@ def test_retry_through_the_api_is_capped(tmp_path: Path):
         # By run, too: nothing of the run can be retried.
         assert client.post("/runs/capped/retry").status_code == 409
         assert registry.get_job(job_id).status == "FAILED"
-        assert registry.claim_due_jobs("security-test", {"CPU": 100}, lease_s=60) == []
+        assert registry.job_queue.claim_due_jobs("security-test", {"CPU": 100}, lease_s=60) == []
 
         # A run retry retries the jobs that have attempts left, and leaves the others.
         fresh = _report(registry, tmp_path, "capped", max_attempts=1)
@@ -479,14 +480,14 @@ def test_the_last_retry_grants_only_what_is_left(tmp_path: Path):
     lost = JobOutcome(succeeded=False, error_type="NodeLost", error_message="node lost")
 
     def attempt_fails_retryably() -> JobRecord:
-        [claimed] = registry.claim_due_jobs("security-test", {"CPU": 100}, lease_s=60)
-        assert registry.finish_job(job_id, claimed.lease_token, lost, policy=no_backoff)
+        [claimed] = registry.job_queue.claim_due_jobs("security-test", {"CPU": 100}, lease_s=60)
+        assert registry.job_queue.finish_job(job_id, claimed.lease_token, lost, policy=no_backoff)
         return registry.get_job(job_id)
 
     app = create_app(Settings(max_manual_retries=1), registry)
     with TestClient(app, base_url="http://localhost") as client:
         # Attempt 1 is cancelled while it runs; the retry grants attempts 2 and 3.
-        registry.claim_due_jobs("security-test", {"CPU": 100}, lease_s=60)
+        registry.job_queue.claim_due_jobs("security-test", {"CPU": 100}, lease_s=60)
         assert client.post(f"/jobs/{job_id}/cancel").json() == {"jobs": [job_id]}
         assert client.post(f"/jobs/{job_id}/retry").json() == {"jobs": [job_id]}
         job = attempt_fails_retryably()
@@ -519,16 +520,16 @@ def test_the_registry_retries_without_a_cap_unless_asked(tmp_path: Path):
 def test_the_registry_caps_retries_on_sqlite_and_postgresql(registry: Registry, tmp_path: Path):
     """The cap the API asks for, at the registry: max_attempts 2 and 1 retry."""
     job_id = _report(registry, tmp_path, "capped", max_attempts=2)
-    registry.claim_due_jobs("security-test", {"CPU": 100}, lease_s=60)
+    registry.job_queue.claim_due_jobs("security-test", {"CPU": 100}, lease_s=60)
     registry.cancel_jobs([job_id])  # attempt 1 cancelled
     assert registry.retry_jobs([job_id], max_retries=1) == [job_id]  # grants 2 and 3
     assert _fail_due_jobs(registry) == [job_id]  # attempt 2 fails for good
     assert registry.retry_jobs([job_id], max_retries=1) == [job_id]  # 2 more: 3 and 4
     lost = JobOutcome(succeeded=False, error_type="NodeLost", error_message="node lost")
     for attempts, status in ((3, "QUEUED"), (4, "FAILED")):
-        [claimed] = registry.claim_due_jobs("security-test", {"CPU": 100}, lease_s=60)
+        [claimed] = registry.job_queue.claim_due_jobs("security-test", {"CPU": 100}, lease_s=60)
         policy = RetryPolicy(backoff_s=0.0)
-        assert registry.finish_job(job_id, claimed.lease_token, lost, policy=policy)
+        assert registry.job_queue.finish_job(job_id, claimed.lease_token, lost, policy=policy)
         job = registry.get_job(job_id)
         assert (job.attempts, job.status) == (attempts, status)
     with pytest.raises(RetryLimitReached, match=rf"job\(s\) {job_id} "):
@@ -560,6 +561,26 @@ def test_huge_numbers_are_422(world: World):
             assert response.status_code == 422, path
             assert "job_id" in response.json()["detail"], path
     assert client.get(f"/jobs/{2**63 - 1}").status_code == 404
+
+
+def test_huge_report_indices_and_page_numbers_are_422_not_500(world: World):
+    client = world.client()
+    huge = 10**30
+    for method, path, body, where in [
+        ("put", f"/runs/alpha/checkpoints/{huge}/tags/k", {"value": "v"}, "report_index"),
+        ("delete", f"/runs/alpha/checkpoints/{huge}/tags/k", None, "report_index"),
+        ("put", f"/runs/alpha/checkpoints/{2**31}/tags/k", {"value": "v"}, "report_index"),
+        ("put", "/runs/alpha/aliases/a", {"report_index": 1e25}, "report_index"),
+        ("put", "/runs/alpha/aliases/a", {"report_index": 2**63}, "report_index"),
+        ("get", f"/ui/?page={huge}", None, "page"),
+        ("get", "/ui/api/runs?page=9223372036854775807&per_page=500", None, "page"),
+    ]:
+        response = client.request(method, path, json=body)
+        assert response.status_code == 422, (path, response.text)
+        assert response.json()["error"] == "InvalidInput" and where in response.json()["detail"]
+    # Past the last page, within bounds: an empty page.
+    response = client.get("/ui/api/runs", params={"page": 10**6, "per_page": 500})
+    assert response.status_code == 200 and response.json()["runs"] == []
 
 
 # ------------------------------------------------------------------- bind check
@@ -624,3 +645,61 @@ def test_guarded_answers_forbid_framing_sniffing_and_referers(world: World):
             assert headers["x-frame-options"] == "DENY", path
             assert headers["x-content-type-options"] == "nosniff", path
             assert headers["referrer-policy"] == "no-referrer", path
+
+
+def test_answers_carry_a_content_security_policy_of_this_origin_only(world: World):
+    app = create_app(Settings(api_token=TOKEN), world.registry)
+    with TestClient(app, base_url="http://localhost") as client:
+        for path in ("/ui/", "/ui/runs/alpha", "/runs", "/metrics", "/docs", "/openapi.json"):
+            policy = client.get(path, headers=BEARER).headers["content-security-policy"]
+            directives = dict(d.strip().split(" ", 1) for d in policy.split(";"))
+            assert directives["default-src"] == "'none'", path
+            assert directives["script-src"] == "'self'", path
+            assert directives["frame-ancestors"] == "'none'", path
+            assert "http" not in policy and "unsafe" not in policy, path
+
+
+def test_docs_are_served_from_the_package_and_name_no_outside_address(world: World):
+    client = world.client()
+    docs = client.get("/docs")
+    assert docs.status_code == 200
+    for address in ("http://", "https://", "cdn", "swagger-ui"):
+        assert address not in docs.text, address
+    script = client.get("/ui/static/api-docs.js")
+    assert script.status_code == 200 and "openapi" in script.text
+    assert "http://" not in script.text.replace("http://www.w3.org", "")
+    assert client.get("/redoc").status_code == 404
+    assert "/runs/{run}/checkpoints" in client.get("/openapi.json").json()["paths"]
+
+
+def test_websocket_routes_added_after_create_app_need_the_token(world: World):
+    # Starlette's test client opens WebSockets on the host "testserver".
+    app = create_app(Settings(api_token=TOKEN, api_hosts=["testserver"]), world.registry)
+
+    @app.websocket("/extra/feed")
+    async def feed(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.send_text(f"{len(world.registry.runs())} runs")
+        await websocket.close()
+
+    with TestClient(app) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong-token-of-16-chars"}):
+            with pytest.raises(WebSocketDisconnect) as refused:
+                with client.websocket_connect("/extra/feed", headers=headers) as socket:
+                    socket.receive_text()
+            assert refused.value.code == 1008
+        # The cookie of a page on another site does not open it either.
+        cookie = client.get("/ui/", params={"token": TOKEN}, follow_redirects=False).cookies
+        client.cookies.clear()
+        cross_site = {
+            "Cookie": f"{TOKEN_COOKIE}={cookie[TOKEN_COOKIE]}",
+            "Origin": "http://evil.example",
+        }
+        with pytest.raises(WebSocketDisconnect):
+            with client.websocket_connect("/extra/feed", headers=cross_site) as socket:
+                socket.receive_text()
+        with client.websocket_connect("/extra/feed", headers=BEARER) as socket:
+            assert socket.receive_text() == "2 runs"
+        same_site = {**cross_site, "Origin": "http://testserver"}
+        with client.websocket_connect("/extra/feed", headers=same_site) as socket:
+            assert socket.receive_text() == "2 runs"

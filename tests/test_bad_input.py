@@ -80,6 +80,10 @@ BAD_REPORTS = [
     ({"validation_resources": {"resources": "abc"}}, r"\['resources'\] must be a dict"),
     ({"validation_resources": {"resources": {"TPU": -1}}}, r"\['resources'\]\['TPU'\] must be"),
     ({"validation_resources": {"resources": {"GPU": 1}}}, r"names 'GPU'; use num_cpus, num_gpus"),
+    ({"validate_fn": ".x:y"}, r"'.x:y' is not of the form 'package.module:function'"),
+    ({"validate_fn": "json:"}, r"'json:' is not of the form 'package.module:function'"),
+    ({"retry_on_timeout": "no"}, r"retry_on_timeout must be True or False, got 'no'"),
+    ({"retry_on_timeout": 1}, r"retry_on_timeout must be True or False, got 1"),
 ]
 
 
@@ -109,6 +113,18 @@ def test_report_outside_ray_train_refuses_the_same_inputs(tmp_path, unique_run):
             validate_fn=validate,
             validation_resources={"num_cpus": float("nan")},
         )
+    assert_nothing_written(client, unique_run)
+
+
+@pytest.mark.parametrize("checkpoint", ["/tmp", {"path": "/tmp"}, 7])
+def test_a_checkpoint_that_is_no_checkpoint_is_refused_naming_what_to_pass(
+    tmp_path, unique_run, checkpoint
+):
+    client = trainer_integration.start_run(unique_run, start_service=False)
+    for report in (client.report, trainer_integration.report):
+        with pytest.raises(InvalidInput, match="checkpoint must be a ray.train.Checkpoint") as e:
+            report({"loss": 0.5}, checkpoint, validate_fn=validate)
+        assert "Checkpoint.from_directory(path)" in str(e.value)
     assert_nothing_written(client, unique_run)
 
 
@@ -154,9 +170,9 @@ def test_the_limits_match_the_columns():
 
 # ---------------------------------------------------------------- registry
 def test_register_checkpoint_refuses_a_step_beyond_64_bits(registry):
-    run_id = registry.ensure_run("r", storage_root="/tmp")
+    run_id = registry.ledger.ensure_run("r", storage_root="/tmp")
     with pytest.raises(InvalidInput, match=r"step must be an int from"):
-        registry.register_checkpoint(
+        registry.ledger.register_checkpoint(
             run_id, 0, uri="/tmp/c0", size_bytes=1, manifest_sha256=None,
             reported_metrics={}, step=2**70,
         )  # fmt: skip
@@ -180,7 +196,7 @@ def test_a_job_id_out_of_range_is_no_job(registry, job_id):
 def test_an_integrity_error_that_is_no_repeated_report_is_not_read_as_one(registry):
     # A run id that does not exist: a foreign key violation, not "registered before".
     with pytest.raises(RegistryRejected, match="is not retried"):
-        registry.register_checkpoint(
+        registry.ledger.register_checkpoint(
             987654, 0, uri="/tmp/c0", size_bytes=1, manifest_sha256=None, reported_metrics={}
         )
 
@@ -196,11 +212,11 @@ def count_statement_errors(registry: Registry) -> list[BaseException]:
 
 def test_a_data_error_on_postgresql_is_raised_at_once_not_retried(postgres_server_url):
     registry = Registry(postgres_server_url, upgrade=True)
-    run_id = registry.ensure_run("data-error", storage_root="/tmp")
+    run_id = registry.ledger.ensure_run("data-error", storage_root="/tmp")
     errors = count_statement_errors(registry)
     # manifest_sha256 is a String(64) column: PostgreSQL refuses 100 characters.
     with pytest.raises(RegistryRejected, match="StringDataRightTruncation") as raised:
-        registry.register_checkpoint(
+        registry.ledger.register_checkpoint(
             run_id, 0, uri="/tmp/c0", size_bytes=1, manifest_sha256="f" * 100,
             reported_metrics={"loss": 0.5},
         )  # fmt: skip
@@ -323,6 +339,31 @@ def test_cli_huge_job_id_and_k_are_clear_errors(tmp_path):
     assert_one_line_error(result, "k must be an int from 1 to 10000")
 
 
+def test_cli_huge_report_index_unknown_jobs_and_revisions_are_one_line_errors(tmp_path):
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    registry = Registry(url)
+    run_id = registry.ledger.ensure_run("r", storage_root=str(tmp_path))
+    registry.ledger.register_checkpoint(
+        run_id, 0, uri=str(tmp_path / "c0"), size_bytes=1, manifest_sha256=None, reported_metrics={}
+    )
+    huge = "9" * 30
+    for args, expected in [
+        (["tag", "r", huge, "k", "v"], f"run 'r' has no checkpoint with report index {huge}"),
+        (["alias", "r", "a", huge], f"run 'r' has no checkpoint with report index {huge}"),
+        (["cancel", huge], f"No validation job with id {huge}"),
+        (["retry", huge], f"No validation job with id {huge}"),
+        (["cancel", "7"], "No validation job with id 7"),
+        (
+            ["db", "upgrade", "--revision", "bogus"],
+            "Cannot migrate the registry to revision 'bogus'",
+        ),
+        (["db", "downgrade", "nonexistent", "--yes"], "revision 'nonexistent'"),
+    ]:
+        assert_one_line_error(run_cli("--database-url", url, *args), expected)
+    assert registry.schema_revision() is not None and registry.checkpoints("r")[0].tags == {}
+    registry.close()
+
+
 @pytest.mark.parametrize(
     ("url", "expected", "exit_code"),
     [
@@ -340,7 +381,7 @@ def test_db_downgrade_asks_and_refuses_without_a_terminal(tmp_path):
     url = f"sqlite:///{tmp_path / 'downgrade.db'}"
     registry = Registry(url)
     head = registry.schema_revision()
-    registry.ensure_run("kept", storage_root=str(tmp_path))
+    registry.ledger.ensure_run("kept", storage_root=str(tmp_path))
 
     refused = run_cli("--database-url", url, "db", "downgrade", "base")
     assert refused.exit_code == 2
@@ -363,7 +404,7 @@ def mode_of(path) -> int:
 def test_the_sqlite_registry_and_its_folder_are_owner_only(tmp_path):
     home = tmp_path / "home" / "ckval"
     registry = Registry(f"sqlite:///{home / 'registry.db'}")
-    registry.ensure_run("private", storage_root=str(tmp_path))
+    registry.ledger.ensure_run("private", storage_root=str(tmp_path))
     with registry.db.read() as session:  # the -wal and -shm files are open meanwhile
         session.execute(sa.text("SELECT 1"))
         side_files = sorted(p.name for p in home.iterdir())
@@ -383,7 +424,7 @@ def test_a_new_registry_file_is_owner_only_and_an_existing_one_keeps_its_mode(
     assert mode_of(path) == 0o600
     os.chmod(path, existing_mode)
     registry = Registry(f"sqlite:///{path}")
-    registry.ensure_run("again", storage_root=str(tmp_path))
+    registry.ledger.ensure_run("again", storage_root=str(tmp_path))
     registry.close()
     assert mode_of(path) == existing_mode
 

@@ -52,9 +52,9 @@ def populated(tmp_path):
     with a float32 metric on a named node, one still QUEUED in the A10G pool."""
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     registry = Registry(url)
-    run_id = registry.ensure_run("digits", storage_root=str(tmp_path))
+    run_id = registry.ledger.ensure_run("digits", storage_root=str(tmp_path))
     for index, loss in enumerate([0.9, 0.5, 0.7, 0.4]):
-        registry.register_checkpoint(
+        registry.ledger.register_checkpoint(
             run_id,
             index,
             uri=f"{tmp_path}/ckpt_{index}",
@@ -63,17 +63,17 @@ def populated(tmp_path):
             reported_metrics={"epoch": index, "loss": loss},
             job=_request(),
         )
-    claimed = registry.claim_due_jobs("cli-test", {}, lease_s=60)
+    claimed = registry.job_queue.claim_due_jobs("cli-test", {}, lease_s=60)
     accuracy = {0: 0.61, 1: 0.83, 2: 0.77}
     for c in claimed:
         if c.report_index in accuracy:
-            registry.finish_job(
+            registry.job_queue.finish_job(
                 c.job_id,
                 c.lease_token,
                 JobOutcome(succeeded=True, metrics={"accuracy": accuracy[c.report_index]}),
             )
         else:
-            registry.finish_job(
+            registry.job_queue.finish_job(
                 c.job_id,
                 c.lease_token,
                 JobOutcome(
@@ -84,9 +84,9 @@ def populated(tmp_path):
                     retryable=False,
                 ),
             )
-    mnist = registry.ensure_run("mnist", storage_root=str(tmp_path))
+    mnist = registry.ledger.ensure_run("mnist", storage_root=str(tmp_path))
     for index, pool in enumerate(["CPU", "A10G"]):
-        registry.register_checkpoint(
+        registry.ledger.register_checkpoint(
             mnist,
             index,
             uri=f"{tmp_path}/mnist_{index}",
@@ -95,8 +95,8 @@ def populated(tmp_path):
             reported_metrics={"epoch": index},
             job=_request(pool),
         )
-    [c] = registry.claim_due_jobs("cli-test", {"A10G": 0}, lease_s=60)
-    registry.finish_job(
+    [c] = registry.job_queue.claim_due_jobs("cli-test", {"A10G": 0}, lease_s=60)
+    registry.job_queue.finish_job(
         c.job_id,
         c.lease_token,
         JobOutcome(
@@ -585,8 +585,8 @@ def test_jobs_watch_prints_status_changes_until_nothing_is_active(populated, wit
     try:
         _wait_for_line(lines, r"^\d+\s+1\s+QUEUED\s")
         registry = Registry(populated)
-        [claimed] = registry.claim_due_jobs("watch-test", {}, lease_s=60)
-        registry.finish_job(
+        [claimed] = registry.job_queue.claim_due_jobs("watch-test", {}, lease_s=60)
+        registry.job_queue.finish_job(
             claimed.job_id, claimed.lease_token, JobOutcome(succeeded=True, metrics={"f1": 0.5})
         )
         err = _finish_watch(proc)

@@ -70,11 +70,11 @@ def test_help_loads_neither_ray_nor_sqlalchemy():
 def embedded_home(tmp_path) -> Path:
     """A CKVAL_HOME whose embedded registry holds one validated checkpoint of run "r"."""
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
-    run_id = registry.ensure_run("r", storage_root=str(tmp_path))
+    run_id = registry.ledger.ensure_run("r", storage_root=str(tmp_path))
     request = ValidationRequest(
         executor_kind="ray_task", pool="CPU", validate_fn_name="v", validate_fn_ref="json:dumps"
     )
-    registry.register_checkpoint(
+    registry.ledger.register_checkpoint(
         run_id,
         0,
         uri=str(tmp_path / "c0"),
@@ -83,8 +83,8 @@ def embedded_home(tmp_path) -> Path:
         reported_metrics={"loss": 0.3},
         job=request,
     )
-    [job] = registry.claim_due_jobs("fast", {}, lease_s=60)
-    registry.finish_job(
+    [job] = registry.job_queue.claim_due_jobs("fast", {}, lease_s=60)
+    registry.job_queue.finish_job(
         job.job_id, job.lease_token, JobOutcome(succeeded=True, metrics={"accuracy": 0.9})
     )
     registry.close()

@@ -14,13 +14,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from validation_service import cli
+from tests.registry_world import delete_checkpoint
+from validation_service import cli_common
 from validation_service.cli import main
 from validation_service.config import Settings, get_settings
 from validation_service.registry import _fast_read
 from validation_service.registry.records import JobOutcome
 from validation_service.registry.registry import Registry
 from validation_service.request import ValidationRequest
+from validation_service.stopping import StopPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE_ID = "3f9c1e2a7b" + "0" * 46
@@ -37,12 +39,12 @@ def _request(pool: str = "CPU", max_attempts: int = 1) -> ValidationRequest:
 
 
 def _claim(registry: Registry) -> dict[tuple[str, int], object]:
-    claimed = registry.claim_due_jobs("fast-read", {}, lease_s=60, default_limit=100)
+    claimed = registry.job_queue.claim_due_jobs("fast-read", {}, lease_s=60, default_limit=100)
     return {(c.run, c.report_index): c for c in claimed}
 
 
 def _finish(registry: Registry, claimed, **outcome) -> None:
-    registry.finish_job(claimed.job_id, claimed.lease_token, JobOutcome(**outcome))
+    registry.job_queue.finish_job(claimed.job_id, claimed.lease_token, JobOutcome(**outcome))
 
 
 def _failure(message: str, *, retryable: bool = True, timed_out: bool = False) -> dict:
@@ -61,14 +63,14 @@ def _failure(message: str, *, retryable: bool = True, timed_out: bool = False) -
 def populate(path: Path) -> str:
     """Namespace "default": run "alpha" with 2 attempts (the second with validated,
     failed, timed-out, cancelled, running, queued and job-less checkpoints, a deleted one,
-    aliases and tags) and run "beta" in another pool with tied and NaN metrics; namespace
-    "other": a run "alpha" of its own."""
+    aliases, tags and an overridden stop decision) and run "beta" in another pool with
+    tied and NaN metrics and a stop decision; namespace "other": a run "alpha" of its own."""
     url = f"sqlite:///{path}"
     registry = Registry(url, settings=get_settings(retry_backoff_s=0))
     storage = str(path.parent / "checkpoints")
 
     def report(run_id, index, metrics, job):
-        return registry.register_checkpoint(
+        return registry.ledger.register_checkpoint(
             run_id,
             index,
             uri=f"{storage}/{run_id}/{index}",
@@ -80,14 +82,17 @@ def populate(path: Path) -> str:
             job=job,
         )
 
-    first = registry.ensure_run("alpha", storage_root=storage, tags={"team": "vision"})
+    # Stop decisions: "alpha"'s second attempt stops at once and is resumed; "beta" stops.
+    registry.set_stop_policy("alpha", StopPolicy("accuracy", threshold=0.6))
+    registry.set_stop_policy("beta", StopPolicy("accuracy", patience=1))
+    first = registry.ledger.ensure_run("alpha", storage_root=storage, tags={"team": "vision"})
     for index in range(2):
         report(first, index, {"loss": 1.0 - index / 10}, _request())
     for claimed in _claim(registry).values():
         _finish(registry, claimed, succeeded=True, metrics={"accuracy": 0.5})
-    registry.finish_run("alpha")
+    registry.ledger.finish_run("alpha")
 
-    alpha = registry.ensure_run("alpha", storage_root=storage)
+    alpha = registry.ledger.ensure_run("alpha", storage_root=storage)
     losses = [0.9, 0.4, 0.6, 0.5, 0.7, 0.8]
     for index, loss in enumerate(losses):
         job = _request(pool="A10G" if index == 5 else "CPU", max_attempts=2 if index == 2 else 1)
@@ -105,20 +110,21 @@ def populate(path: Path) -> str:
     _finish(registry, claimed["alpha", 2], **_failure("bad shard"))
     _finish(registry, claimed["alpha", 3], **_failure("too slow", timed_out=True))
     registry.cancel_jobs([claimed["alpha", 4].job_id])
+    registry.resume_despite_stop("alpha")
     # "alpha" 5 stays RUNNING; 2 failed once and is due again.
     again = _claim(registry)
     _finish(registry, again["alpha", 2], **_failure("bad shard\nsecond line", retryable=True))
     report(alpha, 6, {"loss": 0.3}, _request(pool="A10G"))  # stays QUEUED
     report(alpha, 7, {"loss": 0.05, "f1": 0.3}, None)  # no validation
     deleted = report(alpha, 8, {"loss": 0.01}, None)
-    registry.delete_checkpoint(deleted.checkpoint_id)
+    delete_checkpoint(registry, deleted.checkpoint_id)
     registry.set_alias("alpha", "prod", 0)
     registry.set_alias("alpha", "best", 0)
     registry.set_alias("alpha", "latest", 7)
     registry.tag("alpha", 0, "split", "val")
     registry.tag("alpha", 0, "dataset", "v2")
 
-    beta = registry.ensure_run("beta", storage_root=storage)
+    beta = registry.ledger.ensure_run("beta", storage_root=storage)
     for index in range(4):
         metrics = {"val_loss": 0.5 + index / 100}
         if index == 3:
@@ -126,12 +132,12 @@ def populate(path: Path) -> str:
         report(beta, index, metrics, _request(pool="GPU"))
     for (_, index), claimed in _claim(registry).items():
         _finish(registry, claimed, succeeded=True, metrics={"accuracy": 0.9 if index < 2 else 0.2})
-    registry.finish_run("beta", "FAILED")
+    registry.ledger.finish_run("beta", "FAILED")
     registry.close()
 
     other = Registry(url, namespace="other")
-    run = other.ensure_run("alpha", storage_root=storage)
-    other.register_checkpoint(
+    run = other.ledger.ensure_run("alpha", storage_root=storage)
+    other.ledger.register_checkpoint(
         run,
         0,
         uri=f"{storage}/o0",
@@ -217,7 +223,7 @@ COMMANDS = [
 def test_fast_path_prints_what_the_registry_path_prints(url, args, monkeypatch):
     slow = invoke(["--database-url", url, *args], fast=False)
     with monkeypatch.context() as patched:
-        patched.setattr(cli, "_registry", _no_registry)
+        patched.setattr(cli_common, "registry_of", _no_registry)
         fast = invoke(["--database-url", url, *args], fast=True)
     assert fast == slow
     assert fast[1] or fast[2]
@@ -233,7 +239,7 @@ def test_a_limit_beyond_64_bit_integers_is_a_usage_error_on_both_paths(url):
 def test_the_namespace_comes_from_ckval_namespace_too(url, monkeypatch):
     env = {"CKVAL_NAMESPACE": "other"}
     slow = invoke(["--database-url", url, "runs"], fast=False, env=env)
-    monkeypatch.setattr(cli, "_registry", _no_registry)
+    monkeypatch.setattr(cli_common, "registry_of", _no_registry)
     fast = invoke(["--database-url", url, "runs"], fast=True, env=env)
     assert fast == slow and "alpha" in fast[1] and "beta" not in fast[1]
 
@@ -271,7 +277,7 @@ def test_an_empty_registry(tmp_path, monkeypatch):
     for args in (["runs"], ["runs", "--json"], ["jobs"], ["best", "--metric", "accuracy"]):
         slow = invoke(["--database-url", url, *args], fast=False)
         with monkeypatch.context() as patched:
-            patched.setattr(cli, "_registry", _no_registry)
+            patched.setattr(cli_common, "registry_of", _no_registry)
             assert invoke(["--database-url", url, *args], fast=True) == slow
 
 
@@ -442,3 +448,15 @@ def test_a_listing_never_writes_the_database(home):
     done = python("runs", home=home)
     assert done.returncode == 0, done.stderr
     assert database.read_bytes() == before
+
+
+def test_the_fast_path_runs_the_catalogs_statements_as_generated():
+    """registry/_fast_sql.py holds the catalog's queries compiled for SQLite: after a
+    change to one of them, `python -m validation_service.registry._fast_sql_source`
+    writes it again."""
+    from validation_service.registry import _fast_sql, _fast_sql_source
+
+    generated = _fast_sql_source.statements()
+    checked_in = {name: getattr(_fast_sql, name, None) for name in generated}
+    assert checked_in == generated
+    assert "LIMIT ? OFFSET ?" in generated["KNOWN_RUN_NAMES"]

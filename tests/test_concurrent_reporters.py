@@ -24,19 +24,20 @@ PROCESSES = 4
 REPORTS_EACH = 6
 
 # One training process: waits for the go file, so that all of them report at once, then
-# reports REPORTS_EACH checkpoints (SYNC and ASYNC in turn) that say who made them.
+# reports REPORTS_EACH checkpoints (SYNC and ASYNC in turn) that say who made them, each
+# with a validation to enqueue.
 REPORTER = """
 import json, os, sys, tempfile, time
 from ray.train import Checkpoint
 from trainer_integration import CheckpointUploadMode, Client
 
 run, proc, count, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-client = Client(run, start_service=False)
 deadline = time.monotonic() + 300
 while not os.path.exists(go):
     if time.monotonic() > deadline:
         sys.exit("never told to go")
     time.sleep(0.005)
+client = Client(run, start_service=False)  # the run is created by whichever comes first
 indices = []
 with tempfile.TemporaryDirectory() as scratch:
     for step in range(count):
@@ -50,6 +51,7 @@ with tempfile.TemporaryDirectory() as scratch:
             Checkpoint.from_directory(folder),
             checkpoint_upload_mode=mode,
             delete_local_checkpoint_after_upload=False,
+            validate_fn="json:dumps",
         ))
     client.flush(timeout_s=300)
 print(json.dumps(indices))
@@ -101,62 +103,71 @@ def assert_every_report_kept(registry: Registry, run: str, indices, storage_root
     assert len({r.uri for r in records}) == total
 
 
-def test_processes_reporting_to_one_run_on_sqlite(tmp_path, unique_run):
-    home = tmp_path / "home"
-    indices = run_reporters(unique_run, {"CKVAL_HOME": str(home)}, tmp_path)
-    registry = Registry(f"sqlite:///{home / 'registry.db'}")
-    assert_every_report_kept(registry, unique_run, indices, str(home / "checkpoints"))
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def database_url(request, tmp_path) -> str:
+    """The registry the processes share: an embedded SQLite file, or PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'home' / 'registry.db'}"
+    url = request.getfixturevalue("postgres_server_url")
+    Registry(url, upgrade=True).close()
+    return url
+
+
+def test_processes_reporting_to_one_run(tmp_path, unique_run, database_url):
+    storage = tmp_path / "checkpoints"
+    env = {
+        "CKVAL_HOME": str(tmp_path / "home"),
+        "CKVAL_DATABASE_URL": database_url,
+        "CKVAL_STORAGE": str(storage),
+    }
+    indices = run_reporters(unique_run, env, tmp_path)
+    registry = Registry(database_url)
+    assert_every_report_kept(registry, unique_run, indices, str(storage))
+    # Each report's validation was enqueued once, for its own checkpoint.
+    jobs = registry.validations(unique_run)
+    assert sorted(job.report_index for job in jobs) == list(range(PROCESSES * REPORTS_EACH))
+    assert {job.status for job in jobs} == {"QUEUED"}
 
     # A process that comes later (a restarted run) continues after them.
     from ray.train import Checkpoint
 
     from trainer_integration import Client
-    from validation_service.config import get_settings
+    from validation_service.config import Settings
 
     later = tmp_path / "later"
     later.mkdir()
-    client = Client(unique_run, get_settings(home=str(home)), start_service=False)
+    settings = Settings(home=tmp_path / "home", database_url=database_url, storage=str(storage))
+    client = Client(unique_run, settings, start_service=False)
     assert client.report({"step": 99}, Checkpoint.from_directory(str(later))) == (
         PROCESSES * REPORTS_EACH
     )
-
-
-@pytest.mark.postgres
-def test_processes_reporting_to_one_run_on_postgres(tmp_path, unique_run, postgres_server_url):
-    Registry(postgres_server_url, upgrade=True).close()
-    storage = tmp_path / "checkpoints"
-    env = {
-        "CKVAL_HOME": str(tmp_path / "home"),
-        "CKVAL_DATABASE_URL": postgres_server_url,
-        "CKVAL_STORAGE": str(storage),
-    }
-    indices = run_reporters(unique_run, env, tmp_path)
-    registry = Registry(postgres_server_url)
-    assert_every_report_kept(registry, unique_run, indices, str(storage))
+    registry.close()
 
 
 # ------------------------------------------------------------------- the registry
 def register(registry: Registry, run_id: int, index: int, uri: str):
-    return registry.register_checkpoint(
+    return registry.ledger.register_checkpoint(
         run_id, index, uri=uri, size_bytes=1, manifest_sha256=None, reported_metrics={"i": index}
     )
 
 
 def test_reservations_never_repeat_and_pass_indices_registered_directly(registry):
-    run_id = registry.ensure_run("run-r", storage_root="/ckpts")
-    assert [registry.reserve_report_index(run_id) for _ in range(3)] == [0, 1, 2]
+    run_id = registry.ledger.ensure_run("run-r", storage_root="/ckpts")
+    assert [registry.ledger.reserve_report_index(run_id) for _ in range(3)] == [0, 1, 2]
     register(registry, run_id, 7, "/ckpts/7")  # an index chosen by the caller
-    assert registry.reserve_report_index(run_id) == 8
-    registry.import_checkpoints(run_id, [{"report_index": 20, "uri": "/ckpts/20", "metrics": {}}])
-    assert registry.reserve_report_index(run_id) == 21
-    assert registry.next_report_index(run_id) == 22
-    other = registry.ensure_run("run-s", storage_root="/ckpts")
-    assert registry.reserve_report_index(other) == 0  # counters are per run
+    assert registry.ledger.reserve_report_index(run_id) == 8
+    registry.ledger.import_checkpoints(
+        run_id, [{"report_index": 20, "uri": "/ckpts/20", "metrics": {}}]
+    )
+    assert registry.ledger.reserve_report_index(run_id) == 21
+    assert registry.ledger.next_report_index(run_id) == 22
+    other = registry.ledger.ensure_run("run-s", storage_root="/ckpts")
+    assert registry.ledger.reserve_report_index(other) == 0  # counters are per run
 
 
 def test_the_same_report_registers_once_and_another_at_its_index_is_refused(registry):
-    run_id = registry.ensure_run("run-r", storage_root="/ckpts")
-    index = registry.reserve_report_index(run_id)
+    run_id = registry.ledger.ensure_run("run-r", storage_root="/ckpts")
+    index = registry.ledger.reserve_report_index(run_id)
     first = register(registry, run_id, index, "/ckpts/a")
     again = register(registry, run_id, index, "/ckpts/a")  # retried after a lost reply
     assert first.created and not again.created and again.checkpoint_id == first.checkpoint_id
@@ -206,8 +217,8 @@ def upgrade_from_0001_keeps_rows(url: str) -> None:
         assert [r.name for r in registry.runs()] == ["a", "b", "empty"]
         assert [c.report_index for c in registry.checkpoints("a")] == [0, 1, 2]
         assert [c.reported_metrics for c in registry.checkpoints("b")] == [{"i": 0}, {"i": 5}]
-        assert [registry.next_report_index(run_id) for run_id in (1, 2, 3)] == [3, 6, 0]
-        assert registry.reserve_report_index(2) == 6
+        assert [registry.ledger.next_report_index(run_id) for run_id in (1, 2, 3)] == [3, 6, 0]
+        assert registry.ledger.reserve_report_index(2) == 6
         registry.downgrade("0001")  # and back: the rows stay
         with registry.engine.connect() as conn:
             assert conn.execute(sa.text("SELECT count(*) FROM checkpoints")).scalar() == 5

@@ -48,9 +48,9 @@ class Served:
 
 
 def _register(registry: Registry, root: Path, run: str, losses: list[float]) -> list[int]:
-    run_id = registry.ensure_run(run, storage_root=str(root))
+    run_id = registry.ledger.ensure_run(run, storage_root=str(root))
     return [
-        registry.register_checkpoint(
+        registry.ledger.register_checkpoint(
             run_id,
             index,
             uri=f"{root}/{run}/checkpoint_{index:06d}",
@@ -68,10 +68,10 @@ def _finish(registry: Registry, outcomes: dict[int, JobOutcome]) -> None:
     """Claims the due jobs as a scheduler would and records the given outcomes."""
     tokens = {
         c.job_id: c.lease_token
-        for c in registry.claim_due_jobs("dashboard-test", {"CPU": 100}, lease_s=600)
+        for c in registry.job_queue.claim_due_jobs("dashboard-test", {"CPU": 100}, lease_s=600)
     }
     for job_id, outcome in outcomes.items():
-        assert registry.finish_job(job_id, tokens[job_id], outcome)
+        assert registry.job_queue.finish_job(job_id, tokens[job_id], outcome)
 
 
 def _validated(accuracy: float) -> JobOutcome:
@@ -135,8 +135,8 @@ def served(tmp_path: Path) -> Iterator[Served]:
 
 
 def _register_more(registry: Registry, root: Path, run: str, index: int, loss: float) -> int:
-    run_id = registry.ensure_run(run, storage_root=str(root))
-    return registry.register_checkpoint(
+    run_id = registry.ledger.ensure_run(run, storage_root=str(root))
+    return registry.ledger.register_checkpoint(
         run_id,
         index,
         uri=f"{root}/{run}/checkpoint_{index:06d}",
@@ -168,9 +168,26 @@ def page(browser):
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    # Whatever the Content-Security-Policy refuses (an inline style or script, a file of
+    # another site) is a console error: the pages must need none of it.
+    page.on(
+        "console",
+        lambda message: (
+            errors.append(message.text)
+            if message.type == "error" and "Content Security Policy" in message.text
+            else None
+        ),
+    )
     yield page
     context.close()
     assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+def _wait_for(page, expression: str) -> None:
+    """Waits until a JavaScript expression is true on the page. Evaluated from outside
+    the page: Playwright's wait_for_function compiles its predicate inside the page,
+    which the page's Content-Security-Policy (no eval) refuses."""
+    _wait_until(lambda: page.evaluate(expression), expression, timeout_s=WAIT_MS / 1000)
 
 
 def _series(page, metric: str, index: int) -> list:
@@ -192,9 +209,8 @@ def test_runs_page_lists_runs_with_counts_and_best_metric(served: Served, page):
     assert {"accuracy", "loss", "grad_norm"} <= set(options)
     # Choosing another metric re-ranks without reloading the page: loss is lower-is-better.
     page.select_option("#metric", "loss")
-    page.wait_for_function(
-        "document.querySelector(\"#runs tr[data-run='beta'] td.best\").textContent === '0.6'",
-        timeout=WAIT_MS,
+    _wait_for(
+        page, "document.querySelector(\"#runs tr[data-run='beta'] td.best\").textContent === '0.6'"
     )
     assert page.input_value("#mode") == "min"
     assert page.text_content("#runs tr[data-run='alpha'] td.best") == "0.4"
@@ -232,16 +248,28 @@ def test_run_page_updates_when_a_validation_finishes(served: Served, page):
     page.wait_for_selector(".plot[data-metric='accuracy'] canvas")
     assert page.text_content("#checkpoints tr[data-report='5'] .status") == "PENDING"
     _finish(served.registry, {served.queued_job: _validated(0.91)})
-    page.wait_for_function("window.ckval.plots.accuracy.data[2][5] === 0.91", timeout=WAIT_MS)
-    page.wait_for_function(
+    _wait_for(page, "window.ckval.plots.accuracy.data[2][5] === 0.91")
+    _wait_for(
+        page,
         "document.querySelector(\"#checkpoints tr[data-report='5'] .status\").textContent"
         " === 'VALIDATED'",
-        timeout=WAIT_MS,
     )
     assert _series(page, "accuracy", 3)[5] == 0.91  # the new best
     assert page.text_content(f"#jobs tr[data-job='{served.queued_job}'] .status") == "SUCCEEDED"
     if os.environ.get("CKVAL_WRITE_SCREENSHOT") == "1":
         page.screenshot(path=str(REPO / "docs" / "dashboard.png"), full_page=True)
+
+
+def test_api_docs_page_lists_the_routes_and_loads_nothing_from_another_site(served: Served, page):
+    requested: list[str] = []
+    page.on("request", lambda request: requested.append(request.url))
+    page.goto(f"{served.url}/docs")
+    page.wait_for_selector("body[data-ready='true']", timeout=WAIT_MS)
+    route = page.locator("section.route[data-path='/runs/{run}/checkpoints']")
+    assert route.get_attribute("data-method") == "GET"
+    assert "run *" in route.locator("td.name").all_inner_texts()
+    assert page.locator("section.route").count() >= 20
+    assert requested and all(url.startswith(served.url + "/") for url in requested), requested
 
 
 def test_compare_page_plots_one_metric_of_several_runs(served: Served, page):
@@ -370,8 +398,8 @@ def test_runs_are_paged_newest_activity_first(registry: Registry, tmp_path: Path
     for name in ("r0", "r1", "r2"):
         _register(registry, tmp_path, name, [1.0])
     _register_more(registry, tmp_path, "r0", 1, 0.5)  # r0 is now the most recent
-    first = registry.run_page(page=1, per_page=2, metric="loss")
-    second = registry.run_page(page=2, per_page=2, metric="loss")
+    first = registry.dashboard.run_page(page=1, per_page=2, metric="loss")
+    second = registry.dashboard.run_page(page=2, per_page=2, metric="loss")
     assert [r.run.name for r in first.runs] == ["r0", "r2"]
     assert [r.run.name for r in second.runs] == ["r1"]
     assert first.total == second.total == 3 and first.mode == "min"
@@ -380,7 +408,7 @@ def test_runs_are_paged_newest_activity_first(registry: Registry, tmp_path: Path
     # A job's change is activity too: finishing r1's job (the last change) moves it first.
     r1_job = registry.validations("r1")[0].id
     _finish(registry, {r1_job: _validated(0.7)})
-    assert registry.run_page(per_page=3).runs[0].run.name == "r1"
+    assert registry.dashboard.run_page(per_page=3).runs[0].run.name == "r1"
 
 
 # ----------------------------------------------------------------- ckval ui
@@ -437,6 +465,33 @@ def test_ckval_ui_serves_dashboard_and_metrics_without_ray(tmp_path: Path):
             urllib.request.urlopen(f"{base}/service")
         assert raised.value.code == 503
         assert b"Ray is not initialized" in raised.value.read()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_ckval_ui_answers_the_host_it_serves_on(tmp_path: Path):
+    """`ckval ui --host 127.0.0.2`: a browser sends that address as Host, and it is one
+    the API answers (not only localhost and CKVAL_HTTP_HOST)."""
+    Registry(f"sqlite:///{tmp_path}/registry.db").close()
+    port = _free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("CKVAL_HTTP_HOST", "CKVAL_API_HOSTS")},
+        "CKVAL_DATABASE_URL": f"sqlite:///{tmp_path}/registry.db",
+        "PYTHONPATH": str(REPO),
+    }
+    program = "from validation_service.dashboard.cli import ui_command; ui_command()"
+    process = subprocess.Popen(
+        [sys.executable, "-c", program, "--host", "127.0.0.2", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.2:{port}"
+    try:
+        _wait_until(lambda: _answers(f"{base}/healthz"), "ckval ui answering", timeout_s=120)
+        with urllib.request.urlopen(f"{base}/ui/") as response:
+            assert response.status == 200 and b"ckval" in response.read()
     finally:
         process.terminate()
         process.wait(timeout=30)

@@ -297,7 +297,8 @@ def test_submit_result_of_data_that_is_neither_bytes_nor_str(
     rh = ResultsHandler(unique_run, validate_fn=validate_state_dict)
     with pytest.raises(InvalidInput, match="takes bytes or str, got int"):
         rh.submit_result("worker/0/data.json", 3)
-    for path in ("/etc/passwd", "../outside.json", "worker/../../x.json"):
+    refused = ("/etc/passwd", "../outside.json", "worker/../../x.json", "\\\\host\\x.json")
+    for path in (*refused, "C:", "C:/Windows/x.json", "c:\\x.json", "worker\\..\\..\\x.json"):
         with pytest.raises(InvalidInput, match="must stay inside the results folder"):
             rh.submit_result(path, "{}")
     fail = {"rank": 0, "epoch": 1, "how": "bad-data"}

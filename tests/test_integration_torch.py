@@ -155,7 +155,10 @@ def test_failing_and_non_dict_validate_fn_fail_while_training_completes(
     raised = jobs[1]
     assert (raised.error_type, raised.attempts) == ("ValueError", 2)
     assert raised.error_message == "bad batch in epoch 1"
-    assert 'raise ValueError(f"bad batch in epoch' in raised.error_traceback
+    # The traceback names the user's function and its error. (cloudpickle 3.1.3 and later
+    # file a function pickled by value as "<dynamic-code>": its source line is not shown.)
+    assert "in flaky_by_epoch\n" in raised.error_traceback
+    assert raised.error_traceback.endswith("ValueError: bad batch in epoch 1\n")
     non_dict = jobs[2]
     assert non_dict.attempts == 1  # returning a non-dict is not retried
     assert "returned list" in non_dict.error_message and "must return a dict" in (

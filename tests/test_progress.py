@@ -60,7 +60,7 @@ def registry(tmp_path):
 
 
 def register_jobs(registry: Registry, n: int, max_attempts: int = 1) -> list[int]:
-    run_id = registry.ensure_run(RUN, storage_root="/ckpts")
+    run_id = registry.ledger.ensure_run(RUN, storage_root="/ckpts")
     request = ValidationRequest(
         executor_kind="ray_task",
         pool="CPU",
@@ -69,7 +69,7 @@ def register_jobs(registry: Registry, n: int, max_attempts: int = 1) -> list[int
         max_attempts=max_attempts,
     )
     return [
-        registry.register_checkpoint(
+        registry.ledger.register_checkpoint(
             run_id,
             index,
             uri=f"/ckpts/{index}",
@@ -83,13 +83,13 @@ def register_jobs(registry: Registry, n: int, max_attempts: int = 1) -> list[int
 
 
 def claim_one(registry: Registry):
-    [job] = registry.claim_due_jobs(OWNER, {"CPU": 1}, lease_s=60, max_jobs=1)
+    [job] = registry.job_queue.claim_due_jobs(OWNER, {"CPU": 1}, lease_s=60, max_jobs=1)
     return job
 
 
 def succeed(registry: Registry, job) -> None:
     outcome = JobOutcome(succeeded=True, metrics={"accuracy": 0.5})
-    assert registry.finish_job(job.job_id, job.lease_token, outcome)
+    assert registry.job_queue.finish_job(job.job_id, job.lease_token, outcome)
 
 
 def fail(registry: Registry, job) -> None:
@@ -99,7 +99,7 @@ def fail(registry: Registry, job) -> None:
         error_message="the validation data is not reachable",
         retryable=False,
     )
-    assert registry.finish_job(job.job_id, job.lease_token, outcome)
+    assert registry.job_queue.finish_job(job.job_id, job.lease_token, outcome)
 
 
 # ----------------------------------------------------------------- renderer
@@ -292,7 +292,7 @@ def test_a_timed_out_validation_counts_as_failed(registry):
         retryable=False,
         timed_out=True,
     )
-    registry.finish_job(job.job_id, job.lease_token, timed_out)
+    registry.job_queue.finish_job(job.job_id, job.lease_token, timed_out)
     with pytest.raises(ValidationsFailed) as caught:
         registry.wait(RUN, timeout_s=10, raise_on_failure=True)
     assert caught.value.job_ids == [job_id]

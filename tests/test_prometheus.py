@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.registry_world import delete_checkpoint
 from validation_service.api import create_app
 from validation_service.config import Settings
 from validation_service.dashboard.prometheus import RegistryCollector
@@ -30,9 +31,9 @@ def _spec(pool: str) -> ValidationRequest:
 
 
 def _report(registry: Registry, tmp_path: Path, run: str, pool: str, n: int) -> list[int]:
-    run_id = registry.ensure_run(run, storage_root=str(tmp_path))
+    run_id = registry.ledger.ensure_run(run, storage_root=str(tmp_path))
     return [
-        registry.register_checkpoint(
+        registry.ledger.register_checkpoint(
             run_id,
             index,
             uri=f"{tmp_path}/{run}/{index}",
@@ -70,7 +71,8 @@ def busy(registry: Registry, tmp_path: Path) -> Registry:
     cpu = _report(registry, tmp_path, "cpu-run", "CPU", 5)
     gpu = _report(registry, tmp_path, "gpu-run", "A10G", 3)
     claimed = {
-        c.job_id: c for c in registry.claim_due_jobs("test", {"CPU": 3, "A10G": 2}, lease_s=60)
+        c.job_id: c
+        for c in registry.job_queue.claim_due_jobs("test", {"CPU": 3, "A10G": 2}, lease_s=60)
     }
     now = dt.datetime.now(dt.timezone.utc)
     done = JobOutcome(succeeded=True, metrics={"accuracy": 0.9}, started_at=now, finished_at=now)
@@ -78,7 +80,7 @@ def busy(registry: Registry, tmp_path: Path) -> Registry:
         succeeded=False, error_type="ValueError", error_message="x", retryable=False
     )
     for job_id, outcome in ((cpu[0], done), (cpu[1], failed), (gpu[0], done)):
-        assert registry.finish_job(job_id, claimed[job_id].lease_token, outcome)
+        assert registry.job_queue.finish_job(job_id, claimed[job_id].lease_token, outcome)
     # Left: cpu[2] and gpu[1] RUNNING under live leases, cpu[3], cpu[4], gpu[2] QUEUED.
     return registry
 
@@ -109,7 +111,7 @@ def test_registrations_counter_keeps_deleted_checkpoints(busy: Registry):
     )
     assert before == 8
     first = busy.checkpoints("cpu-run")[0]
-    busy.delete_checkpoint(first.id)
+    delete_checkpoint(busy, first.id)
     assert len(busy.checkpoints("cpu-run")) == 4
     after = _one(
         _scrape(busy), "ckval_checkpoints_registered", "ckval_checkpoints_registered_total"
@@ -166,7 +168,7 @@ def test_service_up_on_an_idle_queue(registry: Registry, tmp_path: Path):
 def test_service_down_when_a_lease_expired_unnoticed(registry: Registry, tmp_path: Path):
     _report(registry, tmp_path, "lost", "CPU", 1)
     # A lease that ran out at once: the scheduler that took the job is gone.
-    assert registry.claim_due_jobs("gone", {"CPU": 1}, lease_s=-1.0)
+    assert registry.job_queue.claim_due_jobs("gone", {"CPU": 1}, lease_s=-1.0)
     families = _scrape(registry)
     assert _one(families, "ckval_leases", state="expired") == 1
     assert _one(families, "ckval_service_up", source="registry") == 0
@@ -207,8 +209,8 @@ def test_histograms_from_sql_totals_then_job_by_job_without_double_counting(
     assert _count(first, "ckval_dispatch_latency_seconds", "CPU") == 3
     # A later scrape adds only what changed since: a CPU job ends, a new one is claimed.
     running = next(j for j in busy.validations("cpu-run") if j.status == "RUNNING")
-    assert busy.finish_job(running.id, running.lease_token, _done())
-    claimed = busy.claim_due_jobs("test", {"CPU": 10, "A10G": 0}, lease_s=60)
+    assert busy.job_queue.finish_job(running.id, running.lease_token, _done())
+    claimed = busy.job_queue.claim_due_jobs("test", {"CPU": 10, "A10G": 0}, lease_s=60)
     assert len(claimed) == 2
     second = _collect(collector)
     assert _count(second, "ckval_validation_duration_seconds", "CPU") == 3

@@ -25,7 +25,7 @@ def request(**overrides) -> ValidationRequest:
 
 
 def register(registry, run_id, index, **overrides):
-    return registry.register_checkpoint(
+    return registry.ledger.register_checkpoint(
         run_id,
         index,
         uri=f"/ckpts/{index}",
@@ -37,19 +37,19 @@ def register(registry, run_id, index, **overrides):
 
 
 def claim_one(registry):
-    [claimed] = registry.claim_due_jobs(OWNER, {}, lease_s=60)
+    [claimed] = registry.job_queue.claim_due_jobs(OWNER, {}, lease_s=60)
     return claimed
 
 
 def fail(registry, claimed, **outcome):
     values = dict(succeeded=False, error_type="ValueError", error_message="bad", retryable=False)
     values.update(outcome)
-    return registry.finish_job(claimed.job_id, claimed.lease_token, JobOutcome(**values))
+    return registry.job_queue.finish_job(claimed.job_id, claimed.lease_token, JobOutcome(**values))
 
 
 @pytest.fixture
 def run_id(registry):
-    return registry.ensure_run("run-q", storage_root="/ckpts")
+    return registry.ledger.ensure_run("run-q", storage_root="/ckpts")
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def one_job_per_state(registry, run_id):
         claimed = claim_one(registry)
         if status is JobStatus.SUCCEEDED:
             ok = JobOutcome(succeeded=True, metrics={"accuracy": 0.5})
-            registry.finish_job(claimed.job_id, claimed.lease_token, ok)
+            registry.job_queue.finish_job(claimed.job_id, claimed.lease_token, ok)
         elif status is JobStatus.FAILED:
             fail(registry, claimed)
         elif status is JobStatus.TIMED_OUT:
@@ -188,7 +188,7 @@ def test_claim_writes_lease_token_attempt_and_running_checkpoint(registry, run_i
 def test_extend_leases_only_for_the_holder_of_the_token(registry, run_id):
     register(registry, run_id, 0)
     register(registry, run_id, 1)
-    first, second = registry.claim_due_jobs(OWNER, {}, lease_s=60)
+    first, second = registry.job_queue.claim_due_jobs(OWNER, {}, lease_s=60)
     later = NOW + dt.timedelta(days=1)
     with registry.db.write() as conn:
         held = transitions.extend_leases(
@@ -207,7 +207,7 @@ def test_finish_success_writes_metrics_and_closes_the_attempt(registry, run_id):
     job_id = register(registry, run_id, 0).job_id
     claimed = claim_one(registry)
     ok = JobOutcome(succeeded=True, metrics={"accuracy": 0.75}, node_id="n1", worker_pid=7)
-    assert registry.finish_job(claimed.job_id, claimed.lease_token, ok)
+    assert registry.job_queue.finish_job(claimed.job_id, claimed.lease_token, ok)
     job = registry.get_job(job_id)
     assert (job.status, job.result_metrics, job.lease_owner) == (
         "SUCCEEDED",
@@ -232,7 +232,9 @@ def test_finish_records_the_policys_decision(registry, run_id):
 
     claimed = claim_one(registry)
     failure = JobOutcome(succeeded=False, error_type="OSError", error_message="flaky")
-    assert registry.finish_job(claimed.job_id, claimed.lease_token, failure, policy=Fixed())
+    assert registry.job_queue.finish_job(
+        claimed.job_id, claimed.lease_token, failure, policy=Fixed()
+    )
     job = registry.get_job(job_id)
     assert (job.status, job.not_before, job.error_type, job.finished_at) == (
         "QUEUED",
@@ -248,14 +250,14 @@ def test_expire_requeues_at_once_then_fails_when_out_of_attempts(registry, run_i
     job_id = register(registry, run_id, 0, max_attempts=2).job_id
     later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=5)
     claim_one(registry)
-    assert registry.requeue_expired(now=later) == [job_id]
+    assert registry.job_queue.requeue_expired(now=later) == [job_id]
     job = registry.get_job(job_id)
     assert (job.status, job.lease_owner, job.lease_expires_at) == ("QUEUED", None, None)
     assert job.not_before <= dt.datetime.now(dt.timezone.utc)
     assert job.attempt_history[0].status == "FAILED"
     assert "expired" in job.attempt_history[0].error_message
     claim_one(registry)
-    assert registry.requeue_expired(now=later) == []
+    assert registry.job_queue.requeue_expired(now=later) == []
     job = registry.get_job(job_id)
     assert (job.status, job.error_type) == ("FAILED", "LeaseExpired")
     assert checkpoint_status(registry, job_id) == ValidationStatus.FAILED.value

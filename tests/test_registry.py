@@ -7,10 +7,13 @@ import math
 import threading
 
 import pytest
+from sqlalchemy import update
 
+from tests.registry_world import delete_checkpoint
 from validation_service.errors import InvalidInput, RunNotFound, UnknownMetric
 from validation_service.jobs import JobStatus, ValidationStatus
 from validation_service.registry._migrate import head_revision
+from validation_service.registry.models import Checkpoint, MetricValue, utcnow
 from validation_service.registry.records import JobOutcome
 from validation_service.request import ValidationRequest
 
@@ -30,7 +33,7 @@ def spec(**overrides) -> ValidationRequest:
 
 
 def register(registry, run_id, index, metrics, job=True, **job_overrides):
-    return registry.register_checkpoint(
+    return registry.ledger.register_checkpoint(
         run_id,
         index,
         uri=f"/ckpts/{run_id}/{index}",
@@ -42,20 +45,20 @@ def register(registry, run_id, index, metrics, job=True, **job_overrides):
 
 
 def claim_one(registry, pools=None, lease_s=60.0):
-    claimed = registry.claim_due_jobs(OWNER, pools or {}, lease_s=lease_s)
+    claimed = registry.job_queue.claim_due_jobs(OWNER, pools or {}, lease_s=lease_s)
     assert len(claimed) == 1, claimed
     return claimed[0]
 
 
 def succeed(registry, claimed, metrics):
-    return registry.finish_job(
+    return registry.job_queue.finish_job(
         claimed.job_id, claimed.lease_token, JobOutcome(succeeded=True, metrics=metrics)
     )
 
 
 @pytest.fixture
 def run_id(registry):
-    return registry.ensure_run("run-a", storage_root="/ckpts")
+    return registry.ledger.ensure_run("run-a", storage_root="/ckpts")
 
 
 def test_schema_is_created_by_migrations_and_round_trips(registry):
@@ -64,16 +67,16 @@ def test_schema_is_created_by_migrations_and_round_trips(registry):
     assert registry.schema_revision() is None
     registry.upgrade()
     assert registry.schema_revision() == head_revision(registry.url)
-    assert registry.ensure_run("after-upgrade", storage_root="/x") >= 1
+    assert registry.ledger.ensure_run("after-upgrade", storage_root="/x") >= 1
 
 
 def test_ensure_run_is_idempotent_and_checks_names(registry):
-    first = registry.ensure_run("r", storage_root="/x")
-    assert registry.ensure_run("r", storage_root="/x") == first
+    first = registry.ledger.ensure_run("r", storage_root="/x")
+    assert registry.ledger.ensure_run("r", storage_root="/x") == first
     assert [r.name for r in registry.runs()] == ["r"]
     for bad in ["", "a/b", "..", "x" * 300]:
         with pytest.raises(InvalidInput, match="run name"):
-            registry.ensure_run(bad, storage_root="/x")
+            registry.ledger.ensure_run(bad, storage_root="/x")
     assert [r.name for r in registry.runs()] == ["r"]
 
 
@@ -98,7 +101,7 @@ def test_job_state_transitions_to_succeeded(registry, run_id):
     [job] = registry.validations("run-a")
     assert (job.status, job.lease_owner) == ("RUNNING", OWNER)
     assert registry.checkpoints("run-a")[0].validation_status == "RUNNING"
-    assert registry.claim_due_jobs(OWNER, {}, lease_s=60) == []  # nothing else is due
+    assert registry.job_queue.claim_due_jobs(OWNER, {}, lease_s=60) == []  # nothing else is due
 
     assert succeed(registry, claimed, {"accuracy": 0.9})
     [job] = registry.validations("run-a")
@@ -120,7 +123,7 @@ def test_only_the_current_lease_token_finishes_a_job(registry, run_id):
     register(registry, run_id, 0, {"loss": 1.0})
     first = claim_one(registry, lease_s=60)
     later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=120)
-    assert registry.requeue_expired(now=later) == [first.job_id]
+    assert registry.job_queue.requeue_expired(now=later) == [first.job_id]
     [job] = registry.validations("run-a")
     assert (job.status, job.attempts) == ("QUEUED", 1)
 
@@ -141,14 +144,14 @@ def test_only_the_current_lease_token_finishes_a_job(registry, run_id):
 def test_heartbeat_extends_held_leases_and_reports_lost_ones(registry, run_id):
     register(registry, run_id, 0, {})
     register(registry, run_id, 1, {})
-    a, b = registry.claim_due_jobs(OWNER, {}, lease_s=5)
+    a, b = registry.job_queue.claim_due_jobs(OWNER, {}, lease_s=5)
     registry.cancel_jobs([b.job_id])
-    held = registry.heartbeat(
+    held = registry.job_queue.heartbeat(
         OWNER, [(a.job_id, a.lease_token), (b.job_id, b.lease_token)], lease_s=600
     )
     assert held == {a.job_id}
     soon = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=60)
-    assert registry.requeue_expired(now=soon) == []  # the extended lease has not run out
+    assert registry.job_queue.requeue_expired(now=soon) == []  # the extended lease has not run out
 
 
 def test_validated_metrics_overwrite_reported_and_both_are_kept(registry, run_id):
@@ -217,7 +220,7 @@ def test_metric_pending_validation_is_not_unknown(registry, run_id):
 
 
 def test_best_across_runs_of_the_namespace(registry, run_id):
-    other = registry.ensure_run("run-b", storage_root="/ckpts")
+    other = registry.ledger.ensure_run("run-b", storage_root="/ckpts")
     register(registry, run_id, 0, {"acc": 0.4}, job=False)
     register(registry, other, 0, {"acc": 0.6}, job=False)
     ranked = registry.best_checkpoint_records(None, "acc", "max", k=2)
@@ -234,10 +237,10 @@ def test_retryable_failure_backs_off_then_fails_with_reason(registry, run_id):
         error_traceback="Traceback...\nValueError: boom",
         retryable=True,
     )
-    assert registry.finish_job(first.job_id, first.lease_token, outcome)
+    assert registry.job_queue.finish_job(first.job_id, first.lease_token, outcome)
     [job] = registry.validations("run-a")
     assert job.status == "QUEUED" and job.not_before > dt.datetime.now(dt.timezone.utc)
-    assert registry.claim_due_jobs(OWNER, {}, lease_s=60) == []  # backing off
+    assert registry.job_queue.claim_due_jobs(OWNER, {}, lease_s=60) == []  # backing off
 
     soon = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=5)
     with registry.engine.begin() as conn:  # let the backoff pass without sleeping
@@ -247,7 +250,7 @@ def test_retryable_failure_backs_off_then_fails_with_reason(registry, run_id):
 
         conn.execute(update(ValidationJob).values(not_before=soon - dt.timedelta(seconds=10)))
     second = claim_one(registry)
-    assert registry.finish_job(second.job_id, second.lease_token, outcome)
+    assert registry.job_queue.finish_job(second.job_id, second.lease_token, outcome)
     [job] = registry.validations("run-a")
     assert (job.status, job.attempts, job.error_type) == ("FAILED", 2, "ValueError")
     assert "ValueError: boom" in job.error_traceback
@@ -258,15 +261,17 @@ def test_retryable_failure_backs_off_then_fails_with_reason(registry, run_id):
 def test_permanent_failure_and_non_dict_result_fail_at_once(registry, run_id):
     register(registry, run_id, 0, {})
     register(registry, run_id, 1, {})
-    a, b = registry.claim_due_jobs(OWNER, {}, lease_s=60)
-    registry.finish_job(
+    a, b = registry.job_queue.claim_due_jobs(OWNER, {}, lease_s=60)
+    registry.job_queue.finish_job(
         a.job_id,
         a.lease_token,
         JobOutcome(
             succeeded=False, error_type="CheckpointNotFound", error_message="gone", retryable=False
         ),
     )
-    registry.finish_job(b.job_id, b.lease_token, JobOutcome(succeeded=True, metrics=[0.9]))
+    registry.job_queue.finish_job(
+        b.job_id, b.lease_token, JobOutcome(succeeded=True, metrics=[0.9])
+    )
     jobs = {j.report_index: j for j in registry.validations("run-a")}
     assert (jobs[0].status, jobs[0].attempts, jobs[0].error_type) == (
         "FAILED",
@@ -279,7 +284,7 @@ def test_permanent_failure_and_non_dict_result_fail_at_once(registry, run_id):
 def test_timed_out_outcome(registry, run_id):
     register(registry, run_id, 0, {})
     claimed = claim_one(registry)
-    registry.finish_job(
+    registry.job_queue.finish_job(
         claimed.job_id,
         claimed.lease_token,
         JobOutcome(
@@ -324,8 +329,8 @@ def test_timeout_is_retried_only_when_asked(registry, run_id):
     )
     register(registry, run_id, 0, {}, retry_on_timeout=True, max_attempts=2)
     register(registry, run_id, 1, {}, max_attempts=2)
-    for claimed in registry.claim_due_jobs(OWNER, {}, lease_s=60):
-        registry.finish_job(claimed.job_id, claimed.lease_token, timed_out)
+    for claimed in registry.job_queue.claim_due_jobs(OWNER, {}, lease_s=60):
+        registry.job_queue.finish_job(claimed.job_id, claimed.lease_token, timed_out)
     jobs = {j.report_index: j.status for j in registry.validations("run-a")}
     assert jobs == {0: "QUEUED", 1: "TIMED_OUT"}
 
@@ -334,13 +339,13 @@ def test_pool_limits_count_running_jobs_and_priority_orders_claims(registry, run
     for index in range(4):
         register(registry, run_id, index, {}, pool="A10G", priority=index % 2)
     register(registry, run_id, 9, {}, pool="CPU")
-    first = registry.claim_due_jobs(OWNER, {"A10G": 2, "CPU": 1}, lease_s=60)
+    first = registry.job_queue.claim_due_jobs(OWNER, {"A10G": 2, "CPU": 1}, lease_s=60)
     by_pool = sorted((c.pool, c.report_index) for c in first)
     assert by_pool == [("A10G", 1), ("A10G", 3), ("CPU", 9)]  # priority 1 first
-    assert registry.claim_due_jobs(OWNER, {"A10G": 2, "CPU": 1}, lease_s=60) == []
+    assert registry.job_queue.claim_due_jobs(OWNER, {"A10G": 2, "CPU": 1}, lease_s=60) == []
     done = next(c for c in first if c.pool == "A10G")
     succeed(registry, done, {"m": 1.0})
-    [again] = registry.claim_due_jobs(OWNER, {"A10G": 2, "CPU": 1}, lease_s=60)
+    [again] = registry.job_queue.claim_due_jobs(OWNER, {"A10G": 2, "CPU": 1}, lease_s=60)
     assert again.pool == "A10G" and again.report_index in (0, 2)
 
 
@@ -348,14 +353,14 @@ def test_cancel_and_retry(registry, run_id):
     for index in range(3):
         register(registry, run_id, index, {})
     running = claim_one(registry, pools={"CPU": 1})
-    cancelled = registry.cancel(run="run-a")
+    cancelled = registry.cancel_jobs(run="run-a")
     assert len(cancelled) == 3
-    assert registry.claim_due_jobs(OWNER, {}, lease_s=60) == []
+    assert registry.job_queue.claim_due_jobs(OWNER, {}, lease_s=60) == []
     assert not succeed(registry, running, {"m": 1.0})  # a cancelled attempt cannot finish
     assert registry.checkpoints("run-a")[0].validated_metrics is None
     assert registry.retry_jobs(run="run-a") == sorted(cancelled)
     assert registry.job_counts("run-a") == {"QUEUED": 3}
-    assert len(registry.claim_due_jobs(OWNER, {}, lease_s=60)) == 3
+    assert len(registry.job_queue.claim_due_jobs(OWNER, {}, lease_s=60)) == 3
     with pytest.raises(InvalidInput):
         registry.cancel_jobs()
 
@@ -375,7 +380,7 @@ def test_cancel_closes_the_running_attempt_and_retry_grants_a_fresh_budget(regis
         [job] = registry.validations("run-a")
         assert (job.status, job.error_type, job.error_message) == ("QUEUED", None, None)
         again = claim_one(registry)
-        registry.finish_job(again.job_id, again.lease_token, failure)
+        registry.job_queue.finish_job(again.job_id, again.lease_token, failure)
         [job] = registry.validations("run-a")
         # max_attempts=1: each retry allows exactly one more attempt, no more.
         assert (job.status, job.attempts) == ("FAILED", round_ + 2)
@@ -389,7 +394,7 @@ def test_concurrent_claims_never_hand_out_a_job_twice(registry, run_id):
 
     def worker(name):
         while True:
-            got = registry.claim_due_jobs(name, {"CPU": 100}, lease_s=60, max_jobs=3)
+            got = registry.job_queue.claim_due_jobs(name, {"CPU": 100}, lease_s=60, max_jobs=3)
             if not got:
                 return
             with lock:
@@ -425,7 +430,7 @@ def test_bad_metrics_are_refused_and_nothing_is_stored(registry, run_id):
 def test_deleted_checkpoint_is_never_ranked(registry, run_id):
     a = register(registry, run_id, 0, {"acc": 0.9}, job=False)
     register(registry, run_id, 1, {"acc": 0.5}, job=False)
-    registry.delete_checkpoint(a.checkpoint_id)
+    delete_checkpoint(registry, a.checkpoint_id)
     assert [r.report_index for r in registry.best_checkpoint_records("run-a", "acc", k=5)] == [1]
     assert len(registry.checkpoints("run-a", include_deleted=True)) == 2
 
@@ -434,7 +439,19 @@ def test_a_checkpoint_deleted_while_it_is_validated_stays_unranked(registry, run
     deleted = register(registry, run_id, 0, {"acc": 0.9, "loss": 0.1})
     register(registry, run_id, 1, {"acc": 0.5, "loss": 0.2}, job=False)
     claimed = claim_one(registry)
-    registry.delete_checkpoint(deleted.checkpoint_id)
+    # Retention never deletes a checkpoint in flight: a row deleted by hand (or by an
+    # older service) while its validation runs must still never be ranked again.
+    with registry.db.write() as conn:
+        conn.execute(
+            update(Checkpoint)
+            .where(Checkpoint.id == deleted.checkpoint_id)
+            .values(deleted_at=utcnow())
+        )
+        conn.execute(
+            update(MetricValue)
+            .where(MetricValue.checkpoint_id == deleted.checkpoint_id)
+            .values(effective=False)
+        )
     assert succeed(registry, claimed, {"acc": 0.99})
     for metric, mode in (("acc", "max"), ("loss", "min")):
         records = registry.best_checkpoint_records("run-a", metric, mode, k=5)
@@ -445,12 +462,12 @@ def test_a_checkpoint_deleted_while_it_is_validated_stays_unranked(registry, run
 
 
 def test_due_pools_lists_each_pool_with_due_work_once(registry, run_id):
-    assert registry.due_pools() == []
+    assert registry.job_queue.due_pools() == []
     for index in range(5):
         register(registry, run_id, index, {"loss": 0.1}, pool="CPU")
     register(registry, run_id, 5, {}, pool="A10G")
     register(registry, run_id, 6, {}, pool="GPU")
-    assert sorted(registry.due_pools()) == ["A10G", "CPU", "GPU"]
+    assert sorted(registry.job_queue.due_pools()) == ["A10G", "CPU", "GPU"]
     # A pool whose only queued job is backing off has no due work; a claimed one none left.
     from sqlalchemy import update
 
@@ -462,5 +479,8 @@ def test_due_pools_lists_each_pool_with_due_work_once(registry, run_id):
             update(ValidationJob).where(ValidationJob.pool == "GPU").values(not_before=later)
         )
     claim_one(registry, pools={"A10G": 1, "CPU": 0, "GPU": 0})
-    assert registry.due_pools() == ["CPU"]
-    assert sorted(registry.due_pools(now=later + dt.timedelta(seconds=1))) == ["CPU", "GPU"]
+    assert registry.job_queue.due_pools() == ["CPU"]
+    assert sorted(registry.job_queue.due_pools(now=later + dt.timedelta(seconds=1))) == [
+        "CPU",
+        "GPU",
+    ]

@@ -137,15 +137,27 @@ def test_async_and_no_upload_modes(service, tmp_path, unique_run):
     assert records[index].metrics["score"] == 4
     assert records[index + 1].metrics["score"] == 7
     assert records[index + 1].uri == in_storage
-    outside = make_checkpoint(tmp_path, 8)
-    with pytest.raises(InvalidInput, match="outside the storage root"):
+    elsewhere = os.path.join(storage.root, "default", "another-run", "ckpt")
+    os.makedirs(elsewhere)
+    with pytest.raises(InvalidInput, match="not inside the folder of run"):
         client.report(
             {"v": 8},
-            outside,
+            Checkpoint.from_directory(elsewhere),
             validate_fn=read_value,
             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
         )
     assert len(client.registry.checkpoints(unique_run)) == 2
+    # Outside the storage root: registered (and validated) where it is.
+    outside = make_checkpoint(tmp_path, 8)
+    client.report(
+        {"v": 8},
+        outside,
+        validate_fn=read_value,
+        checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+    )
+    client.wait(timeout_s=120)
+    last = client.registry.checkpoints(unique_run)[-1]
+    assert last.uri == outside.path and last.metrics["score"] == 8
 
 
 def test_report_survives_an_unreachable_registry_and_raises_when_it_stays_down(
@@ -170,13 +182,13 @@ def test_report_survives_an_unreachable_registry_and_raises_when_it_stays_down(
     settings = get_settings(database_url=through_proxy, delivery_timeout_s=4.0)
     client = Client(unique_run, settings)
     reporter = client._reporter
-    reporter._start_service = False  # no service: this is about the registry
+    reporter._link = None  # no service: this is about the registry
     run_folder = os.path.join(settings.resolved_storage(), settings.namespace, unique_run)
 
     def report_then_cut_the_registry(value) -> int:
         """Reserves the report's index, then cuts the registry before the copy ends."""
         copy_may_start = threading.Event()
-        reporter._storing_thread().submit(copy_may_start.wait, 60)  # the copy waits
+        reporter._thread("store").submit(copy_may_start.wait, 60)  # the copy waits
         index = client.report(
             {"v": value},
             make_checkpoint(tmp_path, value),
@@ -207,7 +219,7 @@ def test_report_survives_an_unreachable_registry_and_raises_when_it_stays_down(
 
         lost = report_then_cut_the_registry(2)  # now it stays down past delivery_timeout_s
         deadline = time.monotonic() + 60
-        while not all(f.done() for _, f in reporter._pending):
+        while not all(f.done() for _, f in reporter._pending._pending):
             assert time.monotonic() < deadline, "background delivery never gave up"
             time.sleep(0.1)
         with pytest.raises(ReportNotDelivered, match=rf"(?s)indices \[{lost}\].*in storage"):
@@ -252,7 +264,7 @@ def test_validate_fn_sees_which_validation_it_runs(service, tmp_path, unique_run
 
 def test_a_validate_fn_is_pickled_once_per_process():
     """As Ray pickles ValidationConfig(fn) once: per-report values go in validate_config."""
-    from trainer_integration._reporter import validation_request
+    from trainer_integration._request import validation_request
 
     def validate(checkpoint, config):
         return {"ok": 1.0}
@@ -341,7 +353,7 @@ def test_an_async_copy_that_fails_is_raised_by_the_next_report(tmp_path, unique_
         reporter.store_and_register({}, make_checkpoint(tmp_path, 2.0), None)
     # Nothing was registered; index 0 stays reserved (never handed out again).
     assert reporter.registry.checkpoints(unique_run) == []
-    assert reporter.registry.next_report_index(reporter.run_id) == 1
+    assert reporter.registry.ledger.next_report_index(reporter.run_id) == 1
     assert (tmp_path / "ckpt-1.0" / "value.json").exists()  # nothing of the user's lost
 
 

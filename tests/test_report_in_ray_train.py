@@ -149,7 +149,7 @@ def file_gone_at_step_one(config) -> None:
                 # The copy of step 1 starts only once a file that report() listed is
                 # gone: the copy fails, as a folder changed under an ASYNC upload does.
                 reporter = trainer_integration._reporters[context.get_experiment_name()]
-                reporter._storing_thread().submit(copy_may_start.wait, 120)
+                reporter._thread("store").submit(copy_may_start.wait, 120)
             report(
                 {"step": step},
                 ray.train.Checkpoint.from_directory(directory),

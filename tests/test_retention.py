@@ -9,7 +9,13 @@ from click.testing import CliRunner
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from tests.registry_world import cli_group, finish_validations, report
+from tests.registry_world import (
+    clear_policies,
+    cli_group,
+    finish_validations,
+    report,
+    stored_policies,
+)
 from tests.test_s3 import BUCKET, options_for, s3_endpoint  # noqa: F401 - the moto fixture
 from validation_service.api_registry import registry_router
 from validation_service.config import Settings
@@ -28,11 +34,9 @@ def storage(tmp_path) -> CheckpointStorage:
 def clean_registry(registry):
     """The registry fixture without stored retention policies (PostgreSQL's database
     lives for the session)."""
-    for run in registry.retention_policies():
-        registry.clear_retention(run)
+    clear_policies(registry)
     yield registry
-    for run in registry.retention_policies():
-        registry.clear_retention(run)
+    clear_policies(registry)
 
 
 def _one_run_in_flight(registry: Registry, storage: CheckpointStorage, workdir) -> list[str]:
@@ -90,7 +94,7 @@ def test_namespace_retention_across_runs_and_attempts(clean_registry, storage, t
     registry = clean_registry
     report(registry, storage, "a", [{"accuracy": a} for a in (0.9, 0.1, 0.5)], workdir=tmp_path)
     report(registry, storage, "b", [{"accuracy": a} for a in (0.8, 0.95, 0.2)], workdir=tmp_path)
-    registry.finish_run("a", "FINISHED")
+    registry.ledger.finish_run("a", "FINISHED")
     report(registry, storage, "a", [{"accuracy": a} for a in (0.3, 0.2)], workdir=tmp_path)
     assert [(r.name, r.attempt) for r in registry.runs()] == [("a", 1), ("b", 1), ("a", 2)]
     deleted = registry.apply_retention(
@@ -140,7 +144,7 @@ def test_a_stored_policy_applies_as_validations_finish(clean_registry, storage, 
     )
     assert [r.report_index for r in registry.checkpoints("hooked")] == [1, 3]
     assert [storage.fs.exists(storage.path_of(uri)) for uri in uris] == [False, True, False, True]
-    assert registry.retention_policies()["hooked"].keep_latest == 1
+    assert stored_policies(registry)["hooked"].keep_latest == 1
 
 
 def test_a_namespace_policy_leaves_runs_with_their_own_policy(clean_registry, storage, tmp_path):
@@ -181,7 +185,7 @@ def test_bad_retention_arguments_are_refused(clean_registry, storage, tmp_path, 
     with pytest.raises(InvalidInput, match=message):
         registry.set_retention("args", metric="accuracy", **bad)
     assert len(registry.checkpoints("args")) == 3
-    assert registry.retention_policies() == {}
+    assert stored_policies(registry) == {}
 
 
 def test_gc_command_shows_asks_and_deletes(clean_registry, storage, tmp_path):

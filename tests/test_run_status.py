@@ -88,16 +88,16 @@ def test_a_reused_run_name_starts_attempt_2_and_append_keeps_attempt_1(unique_ru
 
 
 def test_finish_run_and_the_status_filter(registry):
-    registry.ensure_run("a", storage_root="/x")
-    registry.ensure_run("b", storage_root="/x")
-    assert registry.finish_run("a", "FAILED")
-    assert not registry.finish_run("a", "FINISHED")  # ended already: nothing changes
+    registry.ledger.ensure_run("a", storage_root="/x")
+    registry.ledger.ensure_run("b", storage_root="/x")
+    assert registry.ledger.finish_run("a", "FAILED")
+    assert not registry.ledger.finish_run("a", "FINISHED")  # ended already: nothing changes
     assert [r.name for r in registry.runs(status="RUNNING")] == ["b"]
     assert [(s.run.name, s.run.status) for s in registry.run_summaries(status="FAILED")] == [
         ("a", "FAILED")
     ]
     # A restarted reporter of a RUNNING run goes on in its attempt.
-    assert registry.ensure_run("b", storage_root="/x") == registry.find_run_id("b")
+    assert registry.ledger.ensure_run("b", storage_root="/x") == registry.find_run_id("b")
 
     @click.command()
     @status_option
@@ -113,11 +113,11 @@ def test_finish_run_and_the_status_filter(registry):
 
 
 def test_a_run_ends_only_as_finished_or_failed(registry):
-    registry.ensure_run("a", storage_root="/x")
+    registry.ledger.ensure_run("a", storage_root="/x")
     with pytest.raises(InvalidInput, match="FINISHED or FAILED, not"):
-        registry.finish_run("a", "RUNNING")
+        registry.ledger.finish_run("a", "RUNNING")
     with pytest.raises(InvalidInput, match="FINISHED or FAILED, not"):
-        registry.finish_run("a", "DONE")
+        registry.ledger.finish_run("a", "DONE")
     assert [r.status for r in registry.runs()] == ["RUNNING"]
 
 
@@ -127,13 +127,13 @@ def test_an_unknown_status_filter_is_refused(registry):
 
 
 def test_an_attempt_that_does_not_exist_is_refused(registry):
-    registry.ensure_run("a", storage_root="/x")
+    registry.ledger.ensure_run("a", storage_root="/x")
     with pytest.raises(InvalidInput, match="run 'a' has no attempt 3"):
         registry.checkpoints("a", attempt=3)
 
 
 def test_run_status_routes(registry):
-    registry.ensure_run("a", storage_root="/x")
+    registry.ledger.ensure_run("a", storage_root="/x")
     app = FastAPI()
     app.include_router(registry_router(registry, registry.settings))
     client = TestClient(app)
@@ -144,7 +144,7 @@ def test_run_status_routes(registry):
     assert (response.json()["status"], response.json()["changed"]) == ("FINISHED", True)
     assert client.post("/runs/a/finish", json={"status": "RUNNING"}).status_code == 422
     assert client.get("/runs/nope/status").status_code == 404
-    registry.ensure_run("a", storage_root="/x")
+    registry.ledger.ensure_run("a", storage_root="/x")
     assert [a["attempt"] for a in client.get("/runs/a/attempts").json()] == [1, 2]
 
 

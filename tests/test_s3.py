@@ -128,7 +128,8 @@ def test_validation_reads_from_s3(s3_service, tmp_path, unique_run):
 
 def test_damaged_s3_checkpoints_fail_without_retries(s3_service, tmp_path, unique_run):
     """Checkpoints damaged in S3 after they were reported: the job fails at once."""
-    from trainer_integration._reporter import signed_request, validation_request
+    from trainer_integration._request import signed_request, validation_request
+    from validation_service.signing import job_binding
 
     settings = s3_service
     client = Client(unique_run, settings)
@@ -139,14 +140,15 @@ def test_damaged_s3_checkpoints_fail_without_retries(s3_service, tmp_path, uniqu
     storage.fs.pipe(f"{prefix}/checkpoint_000000/model.bin", b"flipped bytes")
     storage.fs.rm(f"{prefix}/checkpoint_000001/model.bin")
     registry = Registry(settings=settings)
-    # Signed with the reporter's key, as report() signs it.
-    job = signed_request(
-        validation_request(read_value, None, None, 0, None, 3), client._reporter.trust
-    )
+    request = validation_request(read_value, None, None, 0, None, 3)
     for record in registry.checkpoints(unique_run):  # now enqueue their validations
-        registry.register_checkpoint(
+        index = 100 + record.report_index
+        # Signed with the reporter's key for this job, as report() signs it.
+        binding = job_binding(registry.namespace, unique_run, index, record.uri)
+        job = signed_request(request, client._reporter.trust, binding)
+        registry.ledger.register_checkpoint(
             client._reporter.run_id,
-            100 + record.report_index,
+            index,
             uri=record.uri,
             size_bytes=record.size_bytes,
             manifest_sha256=record.manifest_sha256,

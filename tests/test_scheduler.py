@@ -108,7 +108,7 @@ def report(registry, tmp_path, index, validate_fn, **request):
     source.mkdir()
     (source / "model.json").write_text(json.dumps({"accuracy": index / 10}))
     stored = storage.upload(str(source), "default", RUN, index)
-    run_id = registry.ensure_run(RUN, storage_root=str(tmp_path / "storage"))
+    run_id = registry.ledger.ensure_run(RUN, storage_root=str(tmp_path / "storage"))
     values = dict(
         executor_kind="thread",
         pool="CPU",
@@ -118,7 +118,7 @@ def report(registry, tmp_path, index, validate_fn, **request):
         max_attempts=2,
     )
     values.update(request)
-    return registry.register_checkpoint(
+    return registry.ledger.register_checkpoint(
         run_id,
         index,
         uri=stored.uri,
@@ -213,8 +213,8 @@ def test_a_job_of_an_unknown_kind_fails_without_retries(registry, executor, tmp_
 
 def test_recover_requeues_what_an_earlier_incarnation_left_running(registry, executor, tmp_path):
     job_id = report(registry, tmp_path, 0, "accuracy_of")
-    [claimed] = registry.claim_due_jobs("sched-test/old-host:1", {}, lease_s=600)
-    other = registry.claim_due_jobs("other-service/x", {}, lease_s=600)
+    [claimed] = registry.job_queue.claim_due_jobs("sched-test/old-host:1", {}, lease_s=600)
+    other = registry.job_queue.claim_due_jobs("other-service/x", {}, lease_s=600)
     assert claimed.job_id == job_id and other == []
     scheduler = make_scheduler(registry, executor)
     assert scheduler.recover() == [job_id]

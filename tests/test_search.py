@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from tests.registry_world import cli_group, finish_validations, report
+from tests.registry_world import cli_group, delete_checkpoint, finish_validations, report
 from validation_service.api_registry import registry_router
 from validation_service.errors import InvalidInput, InvalidSearch
 from validation_service.registry.registry import Registry
@@ -151,7 +151,7 @@ def test_search_records_carry_aliases_tags_and_skip_deleted(world):
     assert [(r.report_index, r.aliases, r.tags) for r in found] == [
         (5, ("best",), {"split": "train"})
     ]
-    world.delete_checkpoint(world.checkpoints("exp-b")[0].id)
+    delete_checkpoint(world, world.checkpoints("exp-b")[0].id)
     assert [
         r.report_index for r in world.search("run = 'exp-b' and attributes.report_index = 0")
     ] == []

@@ -4,7 +4,11 @@ nothing secret in Ray's runtime_env (what Ray's state API and dashboard show).""
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 import ray
@@ -12,8 +16,9 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from validation_service.config import Settings, ckval_env
+from validation_service.errors import InvalidSettings
 from validation_service.registry.registry import Registry
-from validation_service.secrets import WITHHELD_VAR, mask_url, public_settings
+from validation_service.secrets import WITHHELD_VAR, has_secret, mask_url, public_settings
 from validation_service.service import ValidationService
 
 PASSWORD = "pw-" + uuid.uuid4().hex[:12]
@@ -131,15 +136,28 @@ def cluster_state(actor_name: str) -> list[bytes]:
     jobs = accessor.get_job_table(
         skip_submission_job_info_field=True, skip_is_running_tasks_field=True
     )
-    tasks = [event.SerializeToString() for event in state._get_all_task_events()]
-    assert any(b"settings_seen_by_a_worker" in task for task in tasks)
-    return [*actors, *jobs, *tasks]
+    return [*actors, *jobs, *task_events_naming("settings_seen_by_a_worker")]
+
+
+def task_events_naming(function_name: str, timeout_s: float = 60) -> list[bytes]:
+    """Every task event the GCS keeps, once one names function_name. Workers send their task
+    events to the GCS in batches (every second, later on a busy machine), so the test task's
+    own event may arrive after its result."""
+    from ray._private.state import state
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        tasks = [event.SerializeToString() for event in state._get_all_task_events()]
+        if any(function_name.encode() in task for task in tasks):
+            return tasks
+        assert time.monotonic() < deadline, f"no task event names {function_name}"
+        time.sleep(0.5)
 
 
 @ray.remote(num_cpus=0)
 def settings_seen_by_a_worker() -> dict:
     """What trainer_integration resolves in a Ray worker started with ckval_env()."""
-    from trainer_integration._reporter import resolve_settings
+    from trainer_integration._service_link import resolve_settings
 
     settings = resolve_settings()
     return {
@@ -194,3 +212,123 @@ def test_a_service_for_another_database_is_named_without_passwords(service, post
         with pytest.raises(RuntimeError, match="already runs") as raised:
             ValidationService.start(database_url=with_password(postgres_server_url, form))
         assert PASSWORD not in str(raised.value) and "***" in str(raised.value)
+
+
+# ------------------------------------------- passwords with '/', '#' and '?' in them
+# Generated passwords often hold a raw '/'; SQLAlchemy takes '#' and '?' raw as well.
+AWKWARD_PASSWORDS = ["Pa/ss", "p#w", "a?b"]
+
+
+@pytest.mark.parametrize("password", AWKWARD_PASSWORDS)
+def test_mask_url_masks_the_password_sqlalchemy_reads(password):
+    url = f"postgresql+psycopg://u:{password}@db:5432/ckval?sslmode=require"
+    assert sa.engine.make_url(url).password == password
+    assert mask_url(url) == "postgresql+psycopg://u:***@db:5432/ckval?sslmode=require"
+    assert has_secret(url)
+
+
+def test_a_secret_query_value_with_a_hash_is_masked_whole():
+    url = "postgresql+psycopg://u@db/ckval?password=ab#cd&sslmode=require"
+    assert sa.engine.make_url(url).query["password"] == "ab#cd"
+    assert mask_url(url) == "postgresql+psycopg://u@db/ckval?password=***&sslmode=require"
+
+
+def test_ckval_env_withholds_awkward_passwords_sinks_and_storage_credentials(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("CKVAL_") and n != "CKVAL_HOME"]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("CKVAL_DATABASE_URL", "postgresql+psycopg://u:Pa/ss@db/x")
+    monkeypatch.setenv(
+        "CKVAL_SINKS", json.dumps([{"kind": "mlflow", "tracking_uri": "https://u:p#w@mlflow"}])
+    )
+    monkeypatch.setenv(
+        "CKVAL_STORAGE_OPTIONS", json.dumps({"client_kwargs": {"endpoint_url": "http://u:a?b@s3"}})
+    )
+    monkeypatch.setenv("CKVAL_POOLS", '{"CPU": 2}')
+
+    env = ckval_env()
+
+    assert not any(p in value for value in env.values() for p in AWKWARD_PASSWORDS), env
+    assert env[WITHHELD_VAR].split(",") == [
+        "CKVAL_DATABASE_URL",
+        "CKVAL_SINKS",
+        "CKVAL_STORAGE_OPTIONS",
+    ]
+    assert env["CKVAL_POOLS"] == '{"CPU": 2}'
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("CKVAL_STORAGE_OPTIONS", '{"key": "S3CRET", '),  # no JSON
+        ("CKVAL_STORAGE_OPTIONS", '["S3CRET"]'),  # JSON, no object
+        ("CKVAL_SINKS", '[{"kind": "mlflow", "tracking_uri": "http://u:S3CRET@h"'),
+        ("CKVAL_SINKS", '[["S3CRET"]]'),
+        ("CKVAL_SINKS", '[{"tracking_uri": "http://u:S3CRET@h"}]'),
+    ],
+)
+def test_a_bad_storage_options_or_sinks_value_is_never_echoed(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(InvalidSettings, match=variable) as raised:
+        Settings()
+    assert "S3CRET" not in str(raised.value)
+
+
+def test_repr_and_public_settings_show_no_sink_or_storage_credential():
+    settings = Settings(
+        sinks=[{"kind": "mlflow", "tracking_uri": "https://u:p#w@mlflow.example"}],
+        storage_options={"client_kwargs": {"endpoint_url": "http://u:a?b@s3"}},
+    )
+    shown = public_settings(settings).model_dump_json()
+    for text in (repr(settings), shown):
+        assert not any(p in text for p in AWKWARD_PASSWORDS), text
+    assert json.loads(shown)["sinks"] == [
+        {"kind": "mlflow", "tracking_uri": "https://u:***@mlflow.example"}
+    ]
+
+
+def runtime_env_logs() -> list[Path]:
+    """The runtime_env agent's logs of the session's Ray (it logs each runtime_env)."""
+    base = Path(os.environ.get("RAY_TMPDIR", tempfile.gettempdir())) / "ray" / "session_latest"
+    logs = sorted((base / "logs").glob("runtime_env*"))
+    assert logs, f"no runtime_env logs under {base}"
+    return logs
+
+
+@pytest.fixture(params=AWKWARD_PASSWORDS)
+def awkward_service(request, postgres_server_url, ray_session, monkeypatch):
+    """A service configured from the environment, as a driver is, whose database URL
+    holds an awkward password raw (PostgreSQL's trust authentication ignores it)."""
+    password = f"{request.param}-{uuid.uuid4().hex[:8]}"
+    server = sa.engine.make_url(postgres_server_url)
+    url = (
+        f"{server.drivername}://{server.username}:{password}@{server.host}:{server.port}/"
+        f"{server.database}"
+    )
+    assert sa.engine.make_url(url).password == password
+    Registry(url, upgrade=True).close()
+    monkeypatch.setenv("CKVAL_DATABASE_URL", url)
+    monkeypatch.setenv("CKVAL_SERVICE_NAME", f"ckval-awkward-{uuid.uuid4().hex[:6]}")
+    monkeypatch.setenv(
+        "CKVAL_SINKS", json.dumps([{"kind": "mlflow", "tracking_uri": f"http://u:{password}@m"}])
+    )
+    handle = ValidationService.start(settings=Settings())
+    yield handle, url, password
+    handle.stop()
+
+
+def test_an_awkward_password_never_reaches_ray_and_workers_still_get_it(awkward_service):
+    handle, url, password = awkward_service
+    env = ckval_env()
+    assert not any(password in value for value in env.values())
+    seen = ray.get(settings_seen_by_a_worker.options(runtime_env={"env_vars": env}).remote())
+
+    # The actor's runtime_env (and every job and task record) as Ray's state API serves it.
+    for record in cluster_state(handle.settings.service_name):
+        assert password.encode() not in record
+    for log in runtime_env_logs():
+        assert password not in log.read_text(errors="replace"), log
+    assert seen["database_url"] == url  # from the service actor, not from runtime_env
+    status = json.dumps(handle.status(), default=str)
+    public = ray.get(handle.actor.settings_json.remote())
+    assert password not in status and password not in public
+    assert "***" in json.loads(public)["database_url"]

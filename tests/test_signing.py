@@ -25,7 +25,7 @@ from validation_service.config import Settings
 from validation_service.errors import ModuleNotAllowed, PayloadSignatureError
 from validation_service.registry.registry import Registry
 from validation_service.scheduler import Scheduler
-from validation_service.signing import KEY_FILE, PREFIX, PayloadTrust, key_file
+from validation_service.signing import KEY_FILE, PREFIX, PayloadTrust, job_binding, key_file
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -155,13 +155,56 @@ def test_reporter_and_service_with_different_keys_fail_clearly(tmp_path, unique_
 
 def test_a_forged_signature_does_not_verify(tmp_path):
     trust = PayloadTrust.from_settings(Settings(home=tmp_path, secret_key="k"))
-    signed = trust.sign("validate_config", b"payload")
+    job = job_binding("default", "r", 0, "/ckpts/r/checkpoint_000000")
+    signed = trust.sign("validate_config", b"payload", bound_to=job)
     forged = PREFIX + bytes(32) + b"payload"
-    assert trust.verify("validate_config", signed) == b"payload"
+    assert trust.verify("validate_config", signed, bound_to=job) == b"payload"
     with pytest.raises(PayloadSignatureError, match="no configured key produced"):
-        trust.verify("validate_config", forged)
+        trust.verify("validate_config", forged, bound_to=job)
     with pytest.raises(PayloadSignatureError, match="validate_fn payload"):
-        trust.verify("validate_fn", signed)  # signed as a config, never valid as a function
+        # signed as a config, never valid as a function
+        trust.verify("validate_fn", signed, bound_to=job)
+    for other in [
+        job_binding("default", "r", 1, "/ckpts/r/checkpoint_000000"),
+        job_binding("default", "r2", 0, "/ckpts/r/checkpoint_000000"),
+        job_binding("other", "r", 0, "/ckpts/r/checkpoint_000000"),
+        job_binding("default", "r", 0, "/ckpts/r/checkpoint_000001"),
+    ]:
+        with pytest.raises(PayloadSignatureError, match="signed for another job"):
+            trust.verify("validate_config", signed, bound_to=other)
+    unbound = b"ckv1:" + signed[len(PREFIX) :]  # as an older ckval stored it
+    with pytest.raises(PayloadSignatureError, match="without binding it to its job"):
+        trust.verify("validate_config", unbound, bound_to=job)
+
+
+def test_a_signed_payload_copied_onto_another_job_is_never_unpickled(tmp_path, unique_run):
+    """What a database writer without the key might try: the signed validate_config of
+    one job, copied into another job's row, to run that job with the first one's config."""
+    settings = settings_for(tmp_path, secret_key="shared-key")
+    client = Client(unique_run, settings, start_service=False)
+    for value, scale in ((2, 3), (5, 1000)):
+        client.report(
+            {"x": value},
+            make_checkpoint(tmp_path, value),
+            validate_fn=read_value,
+            validate_config={"scale": scale},
+        )
+    first, second = client.registry.validations(unique_run)
+    registry = Registry(settings=settings)
+    with registry.engine.begin() as connection:
+        [stored] = connection.exec_driver_sql(
+            "SELECT validate_config FROM validation_jobs WHERE id = ?", (second.id,)
+        ).one()
+    tamper(registry, first.id, validate_config=stored)
+
+    run_jobs(settings, unique_run)
+
+    job = registry.get_job(first.id)
+    assert job.status == "FAILED" and job.error_type == "PayloadSignatureError"
+    assert "signed for another job" in job.error_message
+    assert registry.get_job(second.id).status == "SUCCEEDED"
+    scores = [c.metrics.get("score") for c in registry.checkpoints(unique_run)]
+    assert scores == [None, 5000]
 
 
 def test_during_a_rotation_the_previous_key_still_verifies(tmp_path, unique_run):
@@ -253,6 +296,22 @@ def test_a_disallowed_module_is_refused_by_the_service_and_never_imported(
     assert job.error_type == "ModuleNotAllowed"
     assert "outside CKVAL_ALLOWED_MODULES (json)" in job.error_message
     assert not marker.exists()
+
+
+def test_allowed_modules_bound_the_whole_reference_not_only_its_module(tmp_path, unique_run):
+    """With only "json" allowed, "json:codecs.open" walks from json into codecs: refused
+    when reported, and by the service for a row that names it."""
+    settings = settings_for(tmp_path, allowed_modules=["json"])
+    client = Client(unique_run, settings, start_service=False)
+    with pytest.raises(ModuleNotAllowed, match="'json:codecs.open' leads to codecs, outside"):
+        client.report({"x": 1}, make_checkpoint(tmp_path, 1), validate_fn="json:codecs.open")
+    assert client.registry.checkpoints(unique_run) == []
+
+    job_id = report_one(tmp_path, unique_run, settings, validate_fn="json:dumps")
+    tamper(Registry(settings=settings), job_id, validate_fn_ref="json:codecs.open")
+    job = run_jobs(settings, unique_run).get_job(job_id)
+    assert job.status == "FAILED" and job.error_type == "ModuleNotAllowed"
+    assert "leads to codecs" in job.error_message
 
 
 def test_a_shared_database_without_a_key_warns_once(tmp_path, caplog, monkeypatch):

@@ -143,7 +143,7 @@ def test_mlflow_gets_validated_metrics_in_the_trainings_run(ray_session, home, m
     history = mlflow.MlflowClient(mlflow_uri).get_metric_history(training.info.run_id, "accuracy")
     assert sorted((m.step, m.value) for m in history) == [(10, 0.75), (20, 0.875)]
     assert scheduler.stats["sink_deliveries"] == 2 and scheduler.stats["sink_failures"] == 0
-    tags = Registry(settings=settings).run_tags(run)["trackers"]["mlflow"]
+    tags = Registry(settings=settings).ledger.run_tags(run)["trackers"]["mlflow"]
     assert tags == {
         "run_id": training.info.run_id,
         "experiment_id": training.info.experiment_id,
@@ -224,7 +224,7 @@ def test_wandb_offline_run_resumed_with_the_validated_metrics(ray_session, home)
     while len(rows := validated_rows(wandb_dir, training.id)) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sorted((row["ckval/step"], row["accuracy"]) for row in rows) == [(4, 0.625), (8, 0.75)]
-    tags = Registry(settings=settings).run_tags(run)["trackers"]["wandb"]
+    tags = Registry(settings=settings).ledger.run_tags(run)["trackers"]["wandb"]
     assert tags["id"] == training.id and tags["project"] == "digits"
 
 
@@ -254,7 +254,9 @@ def test_a_failing_sink_is_retried_and_reported_and_the_job_succeeds(ray_session
 def test_the_service_logs_validated_metrics_to_mlflow(ray_session, home, mlflow_uri):
     from validation_service.service import ValidationService
 
-    settings = settings_for(home, [{"kind": "mlflow"}])
+    # The service's own tracking URI is its default: the training's server is one its
+    # settings must allow.
+    settings = settings_for(home, [{"kind": "mlflow"}], mlflow_allowed_uris=[mlflow_uri])
     service = ValidationService.start(settings=settings)
     try:
         run = f"mlflow-service-{uuid.uuid4().hex[:6]}"
@@ -278,3 +280,115 @@ def test_the_service_logs_validated_metrics_to_mlflow(ray_session, home, mlflow_
     tracking = mlflow.MlflowClient(mlflow_uri)
     [metric] = tracking.get_metric_history(training.info.run_id, "accuracy")
     assert (metric.step, metric.value) == (2, 0.5)  # the checkpoint's epoch, as no step
+
+
+# ----------------------------------------------------- tracker credentials
+def test_the_tracking_uri_is_recorded_and_served_without_credentials(home, mlflow_uri):
+    from fastapi.testclient import TestClient
+
+    from validation_service.api import create_app
+
+    settings = settings_for(home, [])
+    run = f"mlflow-credentials-{uuid.uuid4().hex[:6]}"
+    with mlflow.start_run():
+        mlflow.set_tracking_uri("https://alice:S3CRET@mlflow.example:5000/?token=T0KEN&x=1")
+        try:
+            report_checkpoints(settings, run, home, {1: 0.5})
+        finally:
+            mlflow.set_tracking_uri(mlflow_uri)  # the run ends on its own server
+    recorded = Registry(settings=settings).ledger.run_tags(run)["trackers"]["mlflow"]
+    assert recorded["tracking_uri"] == "https://mlflow.example:5000/?x=1"
+    with TestClient(create_app(settings), base_url="http://localhost") as api:
+        for path in ("/runs", f"/ui/api/runs/{run}", f"/ui/runs/{run}"):
+            answer = api.get(path)
+            assert answer.status_code == 200, answer.text
+            assert "S3CRET" not in answer.text and "T0KEN" not in answer.text
+            assert "alice" not in answer.text
+
+
+class _TrackingServer:
+    """An HTTP server in this process that a run's recorded tracking URI names: it
+    records every request (and its Authorization header) and refuses it."""
+
+    def __init__(self):
+        import http.server
+
+        self.requests: list[tuple[str, str | None]] = []
+        seen = self.requests
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _refuse(self):
+                seen.append((self.path, self.headers.get("Authorization")))
+                self.send_response(400)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_GET = do_POST = _refuse
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.uri = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.ray
+def test_the_service_never_logs_to_a_tracking_server_its_settings_do_not_allow(
+    ray_session, home, mlflow_uri, monkeypatch, caplog
+):
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "the-services-token")
+    elsewhere = _TrackingServer()
+    try:
+        settings = settings_for(home, [{"kind": "mlflow"}])
+        run = f"mlflow-elsewhere-{uuid.uuid4().hex[:6]}"
+        client = report_checkpoints(settings, run, home, {7: 0.25})
+        # What a reporter may record for its run: a tracker run on a server of its choice.
+        client.registry.ledger.tag_run(
+            client._reporter.run_id,
+            {"trackers": {"mlflow": {"run_id": "0" * 32, "tracking_uri": elsewhere.uri}}},
+        )
+        with caplog.at_level(logging.WARNING, logger="validation_service.sinks"):
+            scheduler = validate_all(settings, run)
+    finally:
+        elsewhere.close()
+    assert elsewhere.requests == []
+    [job] = Registry(settings=settings).validations(run)
+    [warning] = [r.getMessage() for r in caplog.records if "not logged to" in r.getMessage()]
+    assert f"validation job {job.id}" in warning and elsewhere.uri in warning
+    assert scheduler.stats["sink_deliveries"] == 1 and scheduler.stats["sink_failures"] == 0
+    # Logged to the service's own server instead, in a run named after ckval's run.
+    own = mlflow.MlflowClient(mlflow_uri)
+    [named] = own.search_runs([own.get_experiment_by_name("ckval").experiment_id])
+    assert named.info.run_name == run
+    [metric] = own.get_metric_history(named.info.run_id, "accuracy")
+    assert (metric.step, metric.value) == (7, 0.25)
+
+
+@pytest.mark.ray
+def test_a_recorded_tracking_server_that_the_settings_allow_gets_the_metrics(
+    ray_session, home, mlflow_uri
+):
+    """CKVAL_MLFLOW_ALLOWED_URIS: the run's recorded server, not the service's own, gets
+    the validated metrics, in the training's own MLflow run."""
+    other = f"sqlite:///{home / 'other-mlflow.db'}"
+    training = mlflow.MlflowClient(other)
+    experiment = training.create_experiment("training")
+    training_run = training.create_run(experiment).info.run_id
+    settings = settings_for(home, [{"kind": "mlflow"}], mlflow_allowed_uris=[other])
+    run = f"mlflow-allowed-{uuid.uuid4().hex[:6]}"
+    client = report_checkpoints(settings, run, home, {5: 0.75})
+    client.registry.ledger.tag_run(
+        client._reporter.run_id,
+        {"trackers": {"mlflow": {"run_id": training_run, "tracking_uri": other}}},
+    )
+    scheduler = validate_all(settings, run)
+    assert scheduler.stats["sink_deliveries"] == 1 and scheduler.stats["sink_failures"] == 0
+    [metric] = training.get_metric_history(training_run, "accuracy")
+    assert (metric.step, metric.value) == (5, 0.75)
+    own = mlflow.MlflowClient(mlflow_uri)
+    assert own.get_experiment_by_name("ckval") is None  # nothing went to the service's own

@@ -80,16 +80,17 @@ def test_changed_manifest_and_missing_checkpoint(storage, source):
         storage.verify(persisted.uri, persisted.manifest_sha256)
     with pytest.raises(CheckpointNotFound, match="not found"):
         storage.verify(storage.checkpoint_path("ns", "run", 99), None)
-    storage.delete(persisted.uri)
+    storage.delete(persisted.uri, namespace="ns", run="run")
     assert not os.path.exists(persisted.uri)
 
 
-def test_paths_outside_the_root_are_refused(storage, tmp_path):
+def test_paths_outside_the_root_are_never_deleted(storage, tmp_path):
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     for uri in [str(outside), os.path.join(storage.root, "..", "elsewhere"), "/etc"]:
         with pytest.raises(InvalidInput, match="outside the storage root"):
-            storage.adopt(uri)
+            storage.delete(uri, namespace="ns", run="run")
+    assert outside.is_dir()
 
 
 def test_adopt_registers_a_checkpoint_already_in_storage(storage, source, tmp_path):
@@ -97,7 +98,7 @@ def test_adopt_registers_a_checkpoint_already_in_storage(storage, source, tmp_pa
 
     in_place = os.path.join(storage.root, "ns", "run", "shards")
     shutil.copytree(source, in_place)
-    persisted = storage.adopt(in_place)
+    persisted = storage.adopt(in_place, "ns", "run")
     assert persisted.size_bytes == 300_015
     storage.verify(persisted.uri, persisted.manifest_sha256)
 

@@ -7,12 +7,14 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import uuid
 
 import pytest
+from ray.train import Checkpoint
 
 from tests.test_s3 import BUCKET, options_for, s3_endpoint  # noqa: F401 - moto's S3 fixture
-from trainer_integration import Client
+from trainer_integration import CheckpointUploadMode, Client
 from trainer_integration._reporter import RunReporter
 from validation_service.config import Settings, get_settings
 from validation_service.errors import (
@@ -24,6 +26,7 @@ from validation_service.errors import (
 )
 from validation_service.names import check_name
 from validation_service.registry.registry import Registry
+from validation_service.signing import key_file
 from validation_service.storage import MANIFEST_NAME, CheckpointStorage
 
 TRAVERSING_NAMES = ["../../../outside", "..", "../outside", "/abs/outside", "a/../../outside"]
@@ -108,7 +111,7 @@ def test_registry_refuses_a_traversing_namespace_and_run(tmp_path):
         Registry(url, namespace="../x")
     registry = Registry(url)
     with pytest.raises(InvalidInput, match="run name '../x' is not allowed"):
-        registry.ensure_run("../x", storage_root=str(tmp_path))
+        registry.ledger.ensure_run("../x", storage_root=str(tmp_path))
     assert registry.runs() == []
 
 
@@ -133,7 +136,7 @@ def test_delete_through_a_symlink_out_of_the_root_is_refused(layout):
     link = os.path.join(storage.root, "ns", "run", "checkpoint_000000")
     os.symlink(precious, link)
     with pytest.raises(InvalidInput, match="outside the storage root"):
-        storage.delete(link)
+        storage.delete(link, namespace="ns", run="run")
     with pytest.raises(InvalidInput, match="outside the storage root"):
         storage.verify(link, None)
     assert (precious / "keep.txt").read_text() == "keep"
@@ -142,7 +145,7 @@ def test_delete_through_a_symlink_out_of_the_root_is_refused(layout):
 def test_the_storage_root_itself_is_no_checkpoint(layout):
     storage, _ = layout
     with pytest.raises(InvalidInput, match="outside the storage root"):
-        storage.delete(storage.root)
+        storage.delete(storage.root, namespace="ns", run="run")
     assert os.path.isdir(storage.root)
 
 
@@ -241,6 +244,73 @@ def test_added_and_removed_files_are_all_named(layout, source):
     assert "missing: 'model.pt'" in message and "added: 'extra-1', 'extra-2'" in message
 
 
+def test_an_added_empty_folder_fails_verification_like_an_added_file(layout, source):
+    storage, _ = layout
+    persisted = storage.upload(source, "ns", "run", 0)
+    os.makedirs(os.path.join(persisted.uri, "plugins", "autoload"))
+    with pytest.raises(
+        CheckpointCorrupt, match=r"not in the manifest were added: 'plugins/autoload/'"
+    ):
+        storage.verify(persisted.uri, persisted.manifest_sha256)
+
+
+def test_empty_folders_reported_with_a_checkpoint_are_kept_and_checked(layout, source):
+    storage, _ = layout
+    (source / "logs" / "empty").mkdir(parents=True)
+    persisted = storage.upload(source, "ns", "run", 0)
+    assert os.path.isdir(os.path.join(persisted.uri, "logs", "empty"))
+    storage.verify(persisted.uri, persisted.manifest_sha256)
+    os.rmdir(os.path.join(persisted.uri, "logs", "empty"))
+    with pytest.raises(CheckpointCorrupt, match=r"missing: 'logs/empty/'.*added: 'logs/'"):
+        storage.verify(persisted.uri, persisted.manifest_sha256)
+
+
+def modes_under(path) -> dict[str, int]:
+    return {
+        os.path.relpath(os.path.join(folder, name), path): stat.S_IMODE(
+            os.stat(os.path.join(folder, name)).st_mode
+        )
+        for folder, folders, files in os.walk(path)
+        for name in [*folders, *files]
+    }
+
+
+def test_home_checkpoint_folders_and_files_are_owner_only_from_the_first_use(tmp_path):
+    """A fresh CKVAL_HOME made by the signing key's file, then the checkpoints a report
+    stores under it, with the usual umask 022: nothing is readable by others."""
+    home = tmp_path / "fresh" / "home"
+    previous = os.umask(0o022)
+    try:
+        key_file(home)
+        settings = Settings(home=home, database_url=f"sqlite:///{tmp_path / 'r.db'}")
+        source = tmp_path / "model"
+        (source / "sub").mkdir(parents=True)
+        (source / "sub" / "weights.bin").write_bytes(b"w")
+        in_place = home / "checkpoints" / "default" / "modes" / "shards"
+        client = Client("modes", settings, start_service=False)
+        client.report({"step": 1}, Checkpoint.from_directory(str(source)))
+        in_place.mkdir(mode=0o755)
+        (in_place / "part.bin").write_bytes(b"p")
+        client.report(
+            {"step": 2},
+            Checkpoint.from_directory(str(in_place)),
+            checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+        )
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(home).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(home.parent).st_mode) == 0o700
+    modes = modes_under(home)
+    stored = {
+        path: mode
+        for path, mode in modes.items()
+        if not path.startswith("checkpoints/default/modes/shards")
+    }
+    assert {mode for path, mode in stored.items() if os.path.isdir(home / path)} == {0o700}, modes
+    assert {mode for path, mode in stored.items() if os.path.isfile(home / path)} == {0o600}, modes
+    assert modes[f"checkpoints/default/modes/shards/{MANIFEST_NAME}"] == 0o600
+
+
 def test_extra_file_on_s3_fails_verification_naming_it(
     s3_endpoint,  # noqa: F811 - the fixture imported above
     source,
@@ -334,7 +404,7 @@ def test_s3_paths_outside_the_root_are_refused_before_anything_moves(
         "/etc",
     ]:
         with pytest.raises(InvalidInput, match="outside the storage root|not on the storage"):
-            storage.delete(uri)
+            storage.delete(uri, namespace="ns", run="run")
     for namespace, run in [("..", "neighbour"), ("ns", "../../neighbour")]:
         with pytest.raises(InvalidInput, match="not allowed"):
             storage.upload(source, namespace, run, 0)

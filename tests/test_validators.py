@@ -18,6 +18,7 @@ from ray.data.aggregate import Count, Max, Mean, Sum
 from ray.train import Checkpoint, RunConfig, ScalingConfig
 
 from trainer_integration import Client
+from validation_service import _ray_compat
 from validation_service.demo import load_digits_split, make_model
 from validation_service.errors import InvalidInput, PermanentValidationError
 from validation_service.executors.map_batches import MapBatchesValidator
@@ -121,6 +122,21 @@ def digits_eval_loop(config: dict) -> None:
             "rows": rows.compute().item(),
         }
     )
+
+
+def digits_eval_loop_returning(config: dict) -> dict:
+    """Reports the row count and returns the accuracy (Ray's guide returns its metrics):
+    the validator merges what rank 0 returned into what it reported last."""
+    model = load_model(config["checkpoint"])
+    accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+    rows = torchmetrics.SumMetric()
+    shard = ray.train.get_dataset_shard("validation")
+    with torch.no_grad():
+        for batch in shard.iter_torch_batches(batch_size=64):
+            accuracy.update(model(batch["x"].float()), batch["y"])
+            rows.update(len(batch["y"]))
+    ray.train.report({"rows": rows.compute().item()})
+    return {"accuracy": accuracy.compute().item()}
 
 
 # ------------------------------------------------- validate_fns written as in Ray's guide
@@ -350,6 +366,23 @@ def test_torch_trainer_validator_matches_direct_metrics_on_every_row(
     assert metrics["loss"] == pytest.approx(expected["loss"], abs=1e-5)
 
 
+def test_torch_trainer_validator_merges_what_the_eval_loop_returns_on_rank_0(
+    ray_session, checkpoint_dirs, session_home
+):
+    """Through Result.return_value (Ray 2.56+) or the file the loop writes (2.51-2.55)."""
+    rows = len(Y_VAL)
+    validator = TorchTrainerValidator(
+        digits_eval_loop_returning,
+        scaling_config=ScalingConfig(num_workers=2),
+        datasets={"validation": ray.data.from_items(digits_rows(rows), override_num_blocks=2)},
+        run_config=RunConfig(storage_path=str(session_home / "ray_results")),
+    )
+    metrics = validator(Checkpoint.from_directory(checkpoint_dirs[1]), {})
+    expected = direct_metrics(checkpoint_dirs[1], rows)
+    assert metrics["rows"] == rows
+    assert metrics["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-6)
+
+
 def test_map_batches_validator_through_report(service, checkpoint_dirs, unique_run):
     # An in-memory Dataset: a copy of its rows travels inside the stored validate_fn.
     validator = MapBatchesValidator(
@@ -405,6 +438,10 @@ def test_guide_style_map_batches_validate_fn_through_report(
     assert_accuracy_is_direct(records)
 
 
+@pytest.mark.skipif(
+    not _ray_compat.result_has_return_value(),
+    reason="Ray's guide reads ray.train.Result.return_value, which Ray 2.51-2.55 lack",
+)
 def test_guide_style_torch_trainer_validate_fn_through_report(
     service, checkpoint_dirs, unique_run, guide_dataset, session_home
 ):

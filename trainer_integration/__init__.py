@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import os
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
+from trainer_integration._delivery import ReportNotDelivered, StoredReport
 from trainer_integration._ray_reports import RayReportLine, report_line
-from trainer_integration._reporter import (
-    POINTER_FILE,
+from trainer_integration._reporter import POINTER_FILE, RunReporter, pointer_bytes
+from trainer_integration._request import (
     CheckpointUploadMode,
-    ReportNotDelivered,
-    RunReporter,
-    StoredReport,
-    plain_metrics,
-    pointer_bytes,
-    resolve_settings,
-    validation_request,
+    PreparedReport,
+    ReportOptions,
+    prepare_report,
+    upload_mode,  # noqa: F401 - the front-door callbacks take Ray Train's mode too
 )
+from trainer_integration._service_link import resolve_settings
+from trainer_integration._stopping import attach, forget, should_stop
 from validation_service.errors import InvalidInput
 from validation_service.names import RULE as NAME_RULE
 from validation_service.names import check_name, is_safe_name, suggested_name
@@ -32,6 +35,7 @@ __all__ = [
     "ray_results_path",
     "report",
     "resolve_checkpoint",
+    "should_stop",
     "start_run",
 ]
 
@@ -71,7 +75,8 @@ def report(
     """Reports metrics and a checkpoint; its validation runs later, elsewhere.
 
     Inside a Ray Train worker call it on every rank, as ``ray.train.report``: rank 0
-    passes the checkpoint, the others ``report({}, None)``. The checkpoint is copied
+    passes the checkpoint, the others ``report({}, None)`` (a checkpoint they pass is
+    not stored: ckval keeps rank 0's, with a warning). The checkpoint is copied
     into ckval's storage, and registered with its validation enqueued as soon as the
     copy is done; Ray Train gets a pointer checkpoint so ``Result.checkpoints`` still
     lists it. Training never waits for Ray Train's result queue: SYNC returns once
@@ -87,59 +92,105 @@ def report(
     TIMED_OUT, or retried when ``retry_on_timeout``). ``coalesce="latest"`` skips the
     run's queued validations that this report supersedes (recorded as CANCELLED).
     """
-    metrics, job = _prepare(
-        metrics,
-        checkpoint,
-        checkpoint_upload_mode,
-        validate_fn=validate_fn,
-        validate_config=validate_config,
-        validation_resources=validation_resources,
-        priority=priority,
-        timeout_s=timeout_s,
-        max_attempts=max_attempts,
-        retry_on_timeout=retry_on_timeout,
-        coalesce=coalesce,
-    )
-    delete_local = _delete_local(checkpoint_upload_mode, delete_local_checkpoint_after_upload)
+    prepared = prepare_report(metrics, checkpoint, ReportOptions.of(locals()))
     train_context = _ray_train_context()
     if train_context is None:
-        _report_outside_ray_train(metrics, checkpoint, job, checkpoint_upload_mode, delete_local)
+        _report_outside_ray_train(prepared, checkpoint)
     else:
-        _report_in_ray_train(
-            train_context, metrics, checkpoint, job, checkpoint_upload_mode, delete_local
-        )
+        _report_in_ray_train(train_context, prepared, checkpoint)
 
 
-def _report_outside_ray_train(metrics, checkpoint, job, mode, delete_local) -> None:
+def _report_outside_ray_train(prepared: PreparedReport, checkpoint) -> None:
     if _current_run is None:
         raise InvalidInput(
             "report() outside a Ray Train worker needs a run: call "
             "trainer_integration.start_run('my-run') first, or use Client('my-run')."
         )
-    if checkpoint is not None:
-        _reporter(_current_run).report(metrics, checkpoint, job, mode, delete_local=delete_local)
+    if checkpoint is None:
+        return
+    reporter = _reporter(_current_run)
+    attach(_current_run, reporter)  # wakes should_stop()'s watcher after registrations
+    if prepared.mode is CheckpointUploadMode.ASYNC:
+        # Returns at once: the index is reserved in the background (Client.report waits
+        # for it, to return it).
+        reporter.store_and_register(
+            prepared.metrics, checkpoint, prepared.job, delete_local=prepared.delete_local
+        )
+        return
+    _report_and_register(reporter, prepared, checkpoint)
 
 
-def _report_in_ray_train(context, metrics, checkpoint, job, mode, delete_local) -> None:
+def _report_and_register(
+    reporter: RunReporter, prepared: PreparedReport, checkpoint
+) -> tuple[int, str]:
+    """A report outside Ray Train: the checkpoint's report index and URI, once registered
+    (ASYNC: once its index is reserved)."""
+    return reporter.report(
+        prepared.metrics,
+        checkpoint,
+        prepared.job,
+        prepared.mode,
+        delete_local=prepared.delete_local,
+    )
+
+
+def _report_options(options: dict[str, Any]) -> ReportOptions:
+    """Client.report()'s keyword options, which are report()'s (written once, there)."""
+    unknown = sorted(set(options) - {field.name for field in dataclasses.fields(ReportOptions)})
+    if unknown:
+        raise TypeError(f"Client.report() got an unexpected keyword argument {unknown[0]!r}")
+    return ReportOptions(**options)
+
+
+def _report_in_ray_train(context, prepared: PreparedReport, checkpoint) -> None:
     line = report_line()
+    metrics, mode = prepared.metrics, prepared.mode
+    if checkpoint is not None and context.get_world_rank() != 0:
+        _warn_checkpoint_of_other_rank(context.get_world_rank())
+        checkpoint = None
     if checkpoint is None:
         _to_ray_train(line, metrics)
         return
     reporter = _reporter(ray_train_run_name(context))
+    attach(reporter.run, reporter)  # wakes should_stop()'s watcher after registrations
     try:
         if mode is CheckpointUploadMode.NO_UPLOAD:
-            stored = StoredReport.finished(*reporter.report(metrics, checkpoint, job, mode))
+            stored = StoredReport.finished(
+                *reporter.report(metrics, checkpoint, prepared.job, mode)
+            )
         else:
+            # SYNC returns once ckval's own copy is stored (training may delete its folder);
+            # ASYNC at once. Neither waits for the registry or the service.
             stored = reporter.store_and_register(
-                metrics, checkpoint, job, delete_local=delete_local
+                metrics,
+                checkpoint,
+                prepared.job,
+                delete_local=prepared.delete_local,
+                copy_now=mode is CheckpointUploadMode.SYNC,
             )
     except Exception:
         # The other ranks are in this report too: keep in step.
         _to_ray_train(line, metrics)
         raise
     _report_pointer(line, reporter, metrics, checkpoint, stored)
-    if mode is CheckpointUploadMode.SYNC:
-        stored.stored.result()  # ckval's copy is done: training may delete its folder
+
+
+_warned_other_rank = False
+
+
+def _warn_checkpoint_of_other_rank(rank: int) -> None:
+    """Ray Train's guides report the same DDP model from every rank: ckval keeps rank 0's."""
+    global _warned_other_rank
+    if _warned_other_rank:
+        return
+    _warned_other_rank = True
+    logger.warning(
+        "report() on rank %d got a checkpoint: ckval stores rank 0's checkpoint of each "
+        "report (under DDP every rank holds the same model), and not this one. Pass "
+        "checkpoint=None on the other ranks to silence this; files that differ by rank "
+        "(shards) must be gathered into rank 0's folder.",
+        rank,
+    )
 
 
 def _to_ray_train(line: RayReportLine | None, metrics: dict) -> None:
@@ -150,17 +201,6 @@ def _to_ray_train(line: RayReportLine | None, metrics: dict) -> None:
         ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
     else:
         line.submit(lambda: ray.train.report(metrics))
-
-
-def _delete_local(mode: CheckpointUploadMode, delete: bool | None) -> bool:
-    """Whether the reported folder goes once copied: Ray Train's default for the mode."""
-    if delete is None:
-        return mode is CheckpointUploadMode.ASYNC
-    if not isinstance(delete, bool):
-        raise InvalidInput(
-            f"delete_local_checkpoint_after_upload must be True, False or None, got {delete!r}"
-        )
-    return delete
 
 
 def _report_pointer(
@@ -306,10 +346,11 @@ class Client:
             raise
         finally:
             status = RunStatus.FAILED if failed else RunStatus.FINISHED
-            self._reporter.registry.finish_run(self.run, status)
+            self._reporter.registry.ledger.finish_run(self.run, status)
             with _reporters_lock:
                 if _reporters.get(self.run) is self._reporter:
                     del _reporters[self.run]  # the next Client of this name starts afresh
+            forget(self.run)  # its stop watcher too
             if _current_run == self.run:
                 _current_run = None
 
@@ -317,42 +358,14 @@ class Client:
     def registry(self):
         return self._reporter.registry
 
-    def report(
-        self,
-        metrics: dict,
-        checkpoint=None,
-        *,
-        validate_fn: Callable[..., dict] | str | None = None,
-        validate_config: dict | None = None,
-        checkpoint_upload_mode: CheckpointUploadMode = CheckpointUploadMode.SYNC,
-        validation_resources: dict | None = None,
-        priority: int = 0,
-        timeout_s: float | None = None,
-        max_attempts: int = 3,
-        retry_on_timeout: bool = False,
-        coalesce: str | None = None,
-        delete_local_checkpoint_after_upload: bool | None = None,
-    ) -> int | None:
-        """As trainer_integration.report(); returns the report index of the checkpoint."""
-        metrics, job = _prepare(
-            metrics,
-            checkpoint,
-            checkpoint_upload_mode,
-            validate_fn=validate_fn,
-            validate_config=validate_config,
-            validation_resources=validation_resources,
-            priority=priority,
-            timeout_s=timeout_s,
-            max_attempts=max_attempts,
-            retry_on_timeout=retry_on_timeout,
-            coalesce=coalesce,
-        )
-        delete_local = _delete_local(checkpoint_upload_mode, delete_local_checkpoint_after_upload)
+    def report(self, metrics: dict, checkpoint=None, **options: Any) -> int | None:
+        """As trainer_integration.report(), with its keyword options; returns the report
+        index of the checkpoint (in ASYNC mode once it is reserved)."""
+        prepared = prepare_report(metrics, checkpoint, _report_options(options))
         if checkpoint is None:
             return None
-        index, _ = self._reporter.report(
-            metrics, checkpoint, job, checkpoint_upload_mode, delete_local=delete_local
-        )
+        attach(self.run, self._reporter)
+        index, _ = _report_and_register(self._reporter, prepared, checkpoint)
         return index
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -369,46 +382,17 @@ class Client:
         )
 
 
-def _prepare(
-    metrics,
-    checkpoint,
-    checkpoint_upload_mode,
-    *,
-    validate_fn,
-    validate_config,
-    validation_resources,
-    priority,
-    timeout_s,
-    max_attempts,
-    retry_on_timeout,
-    coalesce,
-):
-    """Checks every report() argument before anything is stored.
+def _client_report_signature() -> inspect.Signature:
+    """report()'s signature with ``self``, returning the report index: what
+    help(Client.report) shows."""
+    front = inspect.signature(report)
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return front.replace(
+        parameters=[this, *front.parameters.values()], return_annotation="int | None"
+    )
 
-    Returns the plain metrics and the one ValidationRequest (or None) that goes from
-    this front door to the registry.
-    """
-    if not isinstance(metrics, dict):
-        raise InvalidInput(f"metrics must be a dict, got {type(metrics).__name__}")
-    if not isinstance(checkpoint_upload_mode, CheckpointUploadMode):
-        raise InvalidInput(
-            f"checkpoint_upload_mode must be a CheckpointUploadMode, got {checkpoint_upload_mode!r}"
-        )
-    if validate_fn is not None and checkpoint is None:
-        raise InvalidInput("validate_fn was given without a checkpoint to validate.")
-    job = None
-    if validate_fn is not None:
-        job = validation_request(
-            validate_fn,
-            validate_config,
-            validation_resources,
-            priority=priority,
-            timeout_s=timeout_s,
-            max_attempts=max_attempts,
-            retry_on_timeout=retry_on_timeout,
-            coalesce=coalesce,
-        )
-    return plain_metrics(metrics), job
+
+Client.report.__signature__ = _client_report_signature()
 
 
 def ray_train_run_name(context) -> str:

@@ -8,10 +8,9 @@ the one Ray Train's own ASYNC uploads run on: it is a single thread (reports kee
 order), and Ray Train waits for it after the train function returns, before the worker
 finishes, so no report is lost when training returns right after its last one.
 
-This reaches into Ray Train's worker internals (pinned to Ray 2.60 in pyproject.toml):
-its upload thread pool, the exception queue its own failed ASYNC upload uses, and its
-train-context callbacks. Where any of them is missing, ``report_line()`` returns None and
-report() calls ``ray.train.report`` on the training thread, in ASYNC mode, as before.
+The parts of Ray Train this needs are internals (``validation_service._ray_compat``).
+Where any of them is missing, ``report_line()`` returns None and report() calls
+``ray.train.report`` on the training thread in ASYNC mode, Ray Train's public API.
 """
 
 from __future__ import annotations
@@ -22,6 +21,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from validation_service import _ray_compat
+
 logger = logging.getLogger(__name__)
 
 # (train context, its line): one Ray Train worker runs one train context at a time.
@@ -31,22 +32,15 @@ _current_lock = threading.Lock()
 
 def report_line() -> RayReportLine | None:
     """This worker's line to Ray Train, or None where Ray Train's internals differ."""
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
-
-        context = get_train_context()
-        pool = context.checkpoint_upload_threadpool
-        execution = context.execution_context
-        exceptions = execution.training_thread_runner.get_exception_queue()
-        callbacks = execution.train_context_callbacks
-    except Exception:  # noqa: BLE001 - another Ray version, or Ray Train's local mode
+    parts = _ray_compat.upload_line()
+    if parts is None:
         return None
     global _current
     with _current_lock:
-        if _current is None or _current[0] is not context:
-            line = RayReportLine(pool, exceptions)
-            callbacks.append(_keep_program_order(line))
-            _current = (context, line)
+        if _current is None or _current[0] is not parts.context:
+            line = RayReportLine(parts.pool, parts.exceptions)
+            parts.callbacks.append(_keep_program_order(line))
+            _current = (parts.context, line)
         return _current[1]
 
 
@@ -88,10 +82,8 @@ class RayReportLine:
         try:
             call()
         except BaseException as exc:  # noqa: BLE001 - surfaced as Ray Train surfaces its own
-            from ray.train.v2._internal.util import construct_user_exception_with_traceback
-
             logger.debug("ray.train.report on the upload thread failed", exc_info=True)
-            self._exceptions.put(construct_user_exception_with_traceback(exc))
+            self._exceptions.put(_ray_compat.user_exception(exc))
         finally:
             self._inside.active = False
             self._done()
@@ -105,9 +97,9 @@ class RayReportLine:
 def _keep_program_order(line: RayReportLine):
     """A train-context callback: a ``ray.train.report`` made directly by training code
     first waits for ckval's queued ones, so that every rank reports in program order."""
-    from ray.train.v2._internal.execution.callback import TrainContextCallback
+    base = _ray_compat.train_context_callback_base()
 
-    class KeepProgramOrder(TrainContextCallback):
+    class KeepProgramOrder(base):
         @contextlib.contextmanager
         def on_report(self):
             if not line.on_line():

@@ -10,6 +10,7 @@ import logging
 import sys
 from typing import Any
 
+from validation_service.secrets import without_credentials
 from validation_service.sinks import TRACKERS_TAG
 
 __all__ = ["TRACKERS_TAG", "active_trackers"]
@@ -30,7 +31,8 @@ def active_trackers() -> dict[str, dict[str, Any]]:
             trackers["mlflow"] = {
                 "run_id": run.info.run_id,
                 "experiment_id": run.info.experiment_id,
-                "tracking_uri": mlflow.get_tracking_uri(),
+                # Stored and served with the run: never with a user, password or token.
+                "tracking_uri": without_credentials(mlflow.get_tracking_uri()),
             }
         wandb = sys.modules.get("wandb")
         run = getattr(wandb, "run", None) if wandb is not None else None

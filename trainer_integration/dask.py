@@ -1,7 +1,7 @@
 """Dask: PyTorch DDP launched on a Dask cluster, with its checkpoints and results sent to ckval.
 
 ``run`` starts one DDP process group over the workers; ``ResultsHandler`` replaces
-dask-pytorch-ddp's ``DaskResultsHandler``.
+dask-pytorch-ddp's ``DaskResultsHandler`` and ``S3ImageFolder`` its dataset of that name.
 """
 
 from __future__ import annotations
@@ -13,18 +13,39 @@ import logging
 import os
 import posixpath
 import queue
+import re
 import socket
 import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from validation_service.errors import CkvalError, InvalidInput
 
-__all__ = ["NoDaskWorkers", "ResultsHandler", "WorkerLost", "run"]
+if TYPE_CHECKING:
+    from trainer_integration._image_folder import FsspecImageFolder, S3ImageFolder
+
+__all__ = [
+    "FsspecImageFolder",
+    "NoDaskWorkers",
+    "ResultsHandler",
+    "S3ImageFolder",
+    "WorkerLost",
+    "run",
+]
 
 logger = logging.getLogger(__name__)
+
+
+def __getattr__(name: str):
+    # The image folders import torch and Pillow, which launching and results need not.
+    if name in ("S3ImageFolder", "FsspecImageFolder"):
+        from trainer_integration import _image_folder
+
+        return getattr(_image_folder, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Results other than checkpoints travel through the Dask scheduler, which keeps the
 # last events of each topic in memory: they must stay small. Checkpoints never do.
@@ -325,14 +346,25 @@ def is_checkpoint_path(path: str) -> bool:
 
 
 def _check_result_path(path: str) -> None:
-    if not isinstance(path, str) or not path or path.endswith("/"):
+    """Refuses a result path that would be written outside the results folder.
+
+    Any character a POSIX file name may hold is allowed (``checkpoint-{isoformat()}.pkl``
+    holds ``:``). Refused: absolute paths, ``..`` parts (``/`` and ``\\`` both separate
+    parts, as on Windows clients) and a Windows drive (``C:`` as the first part, or
+    ``C:`` and a separator), which ``os.path.join(prefix, path)`` would not keep under the
+    prefix. On a Windows client the writer also refuses a drive-relative ``C:name``.
+    """
+    if not isinstance(path, str) or not path or path.endswith(("/", "\\")) or "\0" in path:
         raise InvalidInput(f"a result path must be a non-empty file path, got {path!r}")
     parts = path.replace("\\", "/").split("/")
-    if path.startswith(("/", "\\")) or ".." in parts or ":" in parts[0]:
+    if path.startswith(("/", "\\")) or ".." in parts or _WINDOWS_DRIVE.match(path):
         raise InvalidInput(
             f"result path {path!r} must stay inside the results folder: a relative path "
-            "without '..', such as 'worker/0/data.json'."
+            "without '..' or a drive, such as 'worker/0/data.json'."
         )
+
+
+_WINDOWS_DRIVE = re.compile(r"[A-Za-z]:(?:[/\\]|$)")
 
 
 def _current_rank() -> int:
@@ -465,6 +497,11 @@ class _ResultWriter:
 
     def write(self, notice: dict[str, Any]) -> None:
         target = os.path.join(self.prefix, notice["path"])
+        inside = os.path.abspath(self.prefix)
+        if os.path.commonpath([inside, os.path.abspath(target)]) != inside:
+            # Only a Windows client gets here (a drive-relative "C:name").
+            logger.error("result %r is not written: it names a place outside %s", target, inside)
+            return
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
         if "uri" in notice:
             self._copy_stored(notice, target)

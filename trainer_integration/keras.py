@@ -17,7 +17,8 @@ import zipfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainer_integration import CheckpointUploadMode, Client, report, resolve_checkpoint
+from trainer_integration import CheckpointUploadMode, resolve_checkpoint
+from trainer_integration._callbacks import callback_reporter, installed, plain, train_context
 from validation_service.errors import InvalidInput
 
 __all__ = ["MODEL_FILENAME", "ReportCheckpointCallback", "load_model"]
@@ -116,31 +117,7 @@ class ReportCheckpointCallback:
         self._checkpoint_on = _hook_names(checkpoint_on, "checkpoint_on")
         self._report_metrics_on = _hook_names(report_metrics_on, "report_metrics_on")
         self._metrics = _metric_selection(metrics)
-        if validate_fn is not None and not (callable(validate_fn) or isinstance(validate_fn, str)):
-            raise InvalidInput(
-                f"validate_fn must be a callable (checkpoint, config) -> dict or an import "
-                f"reference 'pkg.module:fn', got {validate_fn!r}."
-            )
-        if not isinstance(checkpoint_upload_mode, CheckpointUploadMode):
-            raise InvalidInput(
-                "checkpoint_upload_mode must be a trainer_integration.CheckpointUploadMode, "
-                f"got {checkpoint_upload_mode!r}."
-            )
-        if run is not None and _train_context() is not None:
-            raise InvalidInput(
-                f"run={run!r} was given inside a Ray Train worker, where the run is "
-                "RunConfig(name=...): leave run= out there."
-            )
-        self._report_options = {
-            "validate_fn": validate_fn,
-            "validate_config": validate_config,
-            "validation_resources": validation_resources,
-            "checkpoint_upload_mode": checkpoint_upload_mode,
-            "max_attempts": max_attempts,
-            "timeout_s": timeout_s,
-        }
-        self._run = run
-        self._client: Client | None = None
+        self._reporter = callback_reporter(locals())
         self.model = None
         self.params: dict = {}
         self.validation_data = None
@@ -214,7 +191,13 @@ class ReportCheckpointCallback:
         if hook in self._checkpoint_on:
             self._save_and_report(self._reported_metrics(logs, hook))
         elif hook in self._report_metrics_on:
-            self._report(self._reported_metrics(logs, hook), None)
+            self._reporter.report_metrics(self._reported_metrics(logs, hook))
+        else:
+            return
+        # At each report point, on every rank: the run's stop policy decided (rank 0's
+        # answer, the same everywhere, so no rank leaves MultiWorkerMirroredStrategy early).
+        if self._reporter.should_stop():
+            self.model.stop_training = True
 
     def _reported_metrics(self, logs: dict | None, hook: str) -> dict:
         logs = dict(logs or {})
@@ -229,33 +212,23 @@ class ReportCheckpointCallback:
                     "'val_loss' when fit() has validation data."
                 )
             selected = {name: logs[key] for name, key in self._metrics.items()}
-        return {name: _plain(value) for name, value in selected.items()}
+        return {name: plain(value) for name, value in selected.items()}
 
     def _save_and_report(self, metrics: dict) -> None:
-        context = _train_context()
-        chief = context is None or context.get_world_rank() == 0
+        chief = self._reporter.chief
         # Every rank saves: under MultiWorkerMirroredStrategy saving is a collective step.
         # Only rank 0's folder is reported; the others are scratch.
         directory = tempfile.mkdtemp(prefix="ckval-keras-" if chief else "ckval-keras-scratch-")
         try:
             _save_model(self.model, os.path.join(directory, MODEL_FILENAME))
-            if not chief:
-                self._report(metrics, None)
-                return
-            from ray.train import Checkpoint
-
-            self._report(metrics, Checkpoint.from_directory(directory), **self._report_options)
-        finally:
-            # report() has copied the checkpoint into storage (ASYNC copies it first).
+        except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
-
-    def _report(self, metrics: dict, checkpoint: Any, **options: Any) -> None:
-        if self._run is None:
-            report(metrics, checkpoint, **options)
+            raise
+        if not chief:
+            shutil.rmtree(directory, ignore_errors=True)
+            self._reporter.report_metrics(metrics)
             return
-        if self._client is None:
-            self._client = Client(self._run)
-        self._client.report(metrics, checkpoint, **options)
+        self._reporter.report_folder(metrics, directory, owned=True)
 
 
 def _save_model(model: Any, path: str) -> None:
@@ -324,9 +297,9 @@ def _saved_keras_version(path: str) -> str:
 
 def _require_keras(what: str) -> None:
     """Raises ImportError naming what to install when neither Keras 2 nor Keras 3 is."""
-    if _installed("tf_keras") and _installed("tensorflow"):
+    if installed("tf_keras") and installed("tensorflow"):
         return
-    if _installed("keras"):
+    if installed("keras"):
         return
     raise ImportError(f"{what} needs Keras, which is not installed here: {INSTALL_HINT}.")
 
@@ -409,9 +382,9 @@ def _metric_selection(metrics: Any) -> dict[str, str] | None:
 
 def _refuse_keras_3_under_tensorflow_trainer(model: Any) -> None:
     # Ray's TensorFlow backend sets TF_CONFIG on each worker of a multi-worker run.
-    if "TF_CONFIG" not in os.environ or _train_context() is None:
+    if "TF_CONFIG" not in os.environ or train_context() is None:
         return
-    if _train_context().get_world_size() < 2 or _keras_package(model) != "keras":
+    if train_context().get_world_size() < 2 or _keras_package(model) != "keras":
         return
     raise RuntimeError(
         f"The model is a Keras 3 model ({type(model).__module__}), but TensorflowTrainer's "
@@ -427,32 +400,3 @@ def _keras_package(model: Any) -> str | None:
         if package in ("keras", "tf_keras"):
             return package
     return None
-
-
-def _plain(value: Any) -> Any:
-    # Keras logs hold numpy scalars (and tensors with some Keras 2 strategies).
-    if hasattr(value, "numpy"):
-        value = value.numpy()
-    if hasattr(value, "item"):
-        return value.item()
-    return value
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return sys.modules.get(module) is not None
-
-
-def _train_context():
-    if "ray.train" not in sys.modules:
-        return None
-    try:
-        import ray.train
-
-        context = ray.train.get_context()
-        context.get_world_rank()
-        return context
-    except Exception:  # noqa: BLE001 - not inside a Ray Train worker
-        return None

@@ -1,10 +1,12 @@
 """RunStatusCallback: marks the ckval run FINISHED or FAILED when its Ray Train run ends.
 
-Ray Train 2.60's ``UserCallback`` has hooks for reports and for worker exceptions only,
+Ray Train's ``UserCallback`` has hooks for reports and for worker exceptions only,
 and a worker exception may be followed by a restart (``FailureConfig(max_failures=...)``)
 in which the run goes on: it does not end the run. The controller calls
 ``after_controller_finish(result)`` once, with the final ``Result``, when the run is over;
-this callback implements that hook of Ray Train's ``ControllerCallback``.
+this callback implements that hook of Ray Train's ``ControllerCallback`` (an internal
+class: ``validation_service._ray_compat``). An abort (Ctrl-C on the driver) is seen as the
+controller's move to its ABORTED state, which every supported release reports.
 ``RunConfig(callbacks=[...])`` accepts any Ray Train callback and hands those that are
 not ``UserCallback``s to the controller, which runs on the driver's node.
 
@@ -19,16 +21,15 @@ from __future__ import annotations
 
 import logging
 
-from ray.train.v2._internal.execution.callback import ControllerCallback
-
-from trainer_integration._reporter import resolve_settings
+from trainer_integration._service_link import resolve_settings
+from validation_service import _ray_compat
 from validation_service.config import Settings
 from validation_service.jobs import RunStatus
 
 logger = logging.getLogger(__name__)
 
 
-class RunStatusCallback(ControllerCallback):
+class RunStatusCallback(_ray_compat.controller_callback_base()):
     """Ends the ckval run of a Ray Train run: FINISHED when ``fit()`` succeeds, FAILED when
     it fails or is aborted. A restart after a worker failure ends nothing: reports go on in
     the same run attempt.
@@ -40,6 +41,7 @@ class RunStatusCallback(ControllerCallback):
     def __init__(self, settings: Settings | None = None):
         self._settings = settings or resolve_settings()
         self._run: str | None = None
+        self._ended = False
 
     def after_controller_start(self, train_run_context) -> None:
         self._run = train_run_context.get_run_config().name
@@ -47,21 +49,29 @@ class RunStatusCallback(ControllerCallback):
     def after_controller_finish(self, result) -> None:
         self._end(RunStatus.FAILED if result.error is not None else RunStatus.FINISHED)
 
-    def before_controller_abort(self) -> None:
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        if _ray_compat.is_aborted_state(current_state):
+            self._end(RunStatus.FAILED)
+
+    def before_controller_abort(self) -> None:  # Ray 2.55+: before the workers are stopped
         self._end(RunStatus.FAILED)
 
     def _end(self, status: RunStatus) -> None:
-        if self._run is None:
+        if self._run is None or self._ended:
             return
-        from validation_service.registry.registry import Registry
+        self._ended = True
+        from trainer_integration._reporter import RunReporter
 
-        registry = Registry(settings=self._settings)
+        # Opening a reporter of the run first registers the SYNC reports its workers stored
+        # and did not live to register (a train function that raised right after one).
+        reporter = RunReporter(self._run, self._settings, start_service=False)
         try:
+            registry = reporter.registry
             # A run that reported no checkpoint has no row (or only an earlier attempt,
             # which ended already and is left as it is).
             if registry.find_run_id(self._run) is not None:
-                registry.finish_run(self._run, status)
+                registry.ledger.finish_run(self._run, status)
         except Exception:  # noqa: BLE001 - training's outcome stands; say why the run did not end
             logger.exception("could not mark ckval run %r %s", self._run, status.value)
         finally:
-            registry.close()
+            reporter.close()

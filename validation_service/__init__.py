@@ -34,6 +34,7 @@ _EXPORTS = {
     "ValidationRequest": "validation_service.request",
     "ServiceHandle": "validation_service.service",
     "ValidationService": "validation_service.service",
+    "StopPolicy": "validation_service.stopping",
 }
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "RunNotFound",
     "ServiceHandle",
     "Settings",
+    "StopPolicy",
     "UnknownMetric",
     "ValidationFnError",
     "ValidationRequest",
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
     from validation_service.registry.registry import Registry
     from validation_service.request import ValidationRequest
     from validation_service.service import ServiceHandle, ValidationService
+    from validation_service.stopping import StopPolicy
 
 
 def __getattr__(name: str) -> Any:

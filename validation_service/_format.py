@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
+
+# What a terminal acts on: C0 and C1 control characters (ESC starts cursor moves, window
+# titles, hyperlinks; BEL, CR, backspace rewrite what is shown), DEL, line separators and
+# the bidirectional overrides that reorder text on screen.
+_OTHER_CONTROLS = "\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_CONTROL_IN_TEXT = re.compile(f"[\x00-\x08\x0b-\x1f{_OTHER_CONTROLS}]")  # tab, newline stay
+_CONTROL_IN_CELL = re.compile(f"[\x00-\x1f{_OTHER_CONTROLS}]")
 
 NODE_ID_CHARS = 8
 SIGNIFICANT_DIGITS = 4
@@ -29,6 +37,22 @@ def format_value(value: Any, tz: dt.tzinfo | None = None) -> str:
     if hasattr(value, "value") and isinstance(getattr(value, "value", None), str):
         return value.value  # a status enum
     return str(value)
+
+
+def inert(text: str, *, cell: bool = False) -> str:
+    """``text`` as it may reach a terminal: each control character shown as its escape
+    (ESC as \\x1b, BEL as \\x07), so that no run name, tag value, metric name or error
+    message can move the cursor, retitle the window or hide output. Newlines and tabs
+    stay, except in a table ``cell``."""
+    pattern = _CONTROL_IN_CELL if cell else _CONTROL_IN_TEXT
+    return pattern.sub(lambda found: found.group().encode("unicode_escape").decode(), text)
+
+
+def echo(message: Any = "", *, err: bool = False, nl: bool = True) -> None:
+    """click.echo of ``message`` made inert: every printer of the command line uses it."""
+    import click
+
+    click.echo(inert(str(message)), err=err, nl=nl)
 
 
 def format_float(value: float) -> str:

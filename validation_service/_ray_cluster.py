@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 
+from validation_service import _ray_compat
 from validation_service.config import Settings
 from validation_service.errors import RayClusterNotFound
 
@@ -58,12 +59,7 @@ def _configured_address(settings: Settings) -> tuple[str | None, str | None]:
 
 def _discovered_address() -> str:
     """The address ray.init(address="auto") would connect to, found without connecting."""
-    from ray._private.services import canonicalize_bootstrap_address
-
-    try:
-        address = canonicalize_bootstrap_address("auto")
-    except ConnectionError:
-        raise RayClusterNotFound() from None
+    address = _ray_compat.bootstrap_address()
     if address is None:
         raise RayClusterNotFound()
     return address

@@ -1,4 +1,4 @@
-"""Plain-text tables for the CLI."""
+"""Plain-text tables for the CLI: every header and cell made inert (_format.inert)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from validation_service._format import format_value
+from validation_service._format import format_value, inert
 
 
 def render(
     headers: Sequence[str], rows: Sequence[Sequence[Any]], tz: dt.tzinfo | None = None
 ) -> str:
-    cells = [[format_value(v, tz) for v in row] for row in rows]
+    headers = [inert(str(h), cell=True) for h in headers]
+    cells = [[inert(format_value(v, tz), cell=True) for v in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in cells:
         widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]

@@ -1,4 +1,5 @@
-"""HTTP routes over the registry's aliases, tags, search, retention (dry run) and run status.
+"""HTTP routes over the registry's aliases, tags, search, retention (dry run), run status
+and early stopping (a run's stop policy, its decision and the override).
 
 ``create_app`` includes ``registry_router(registry, settings)``. Errors come back as the
 rest of the API's do: ``{"error": <class>, "detail": <message>}`` with 404 for what does
@@ -7,14 +8,12 @@ not exist and 400/422 for requests that cannot be acted on.
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Body, Path, Query
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from validation_service.config import Settings
 from validation_service.errors import (
@@ -25,10 +24,18 @@ from validation_service.errors import (
     JobNotFound,
     RunNotFound,
     UnknownMetric,
+    on_ckval_error,
 )
 from validation_service.metrics import encode_non_finite
-from validation_service.registry.records import CheckpointRecord, RunRecord
+from validation_service.registry.records import RunRecord
 from validation_service.registry.registry import Registry
+from validation_service.stopping import StopPolicy
+from validation_service.validation import INT32_MAX, MAX_BEST_K
+from validation_service.views import (
+    labelled_checkpoint_json,
+    stop_decision_json,
+    stop_policy_json,
+)
 
 _STATUS = {
     RunNotFound: 404,
@@ -40,10 +47,15 @@ _STATUS = {
 }
 
 
+# A report index is a 32-bit column: a larger number names no checkpoint (a 422, never a
+# number that reaches the database driver).
+ReportIndex = Annotated[int, Path(ge=0, le=INT32_MAX, description="A report index.")]
+
+
 class AliasTarget(BaseModel):
     """Where an alias goes: one checkpoint, or the best by a metric (tracked)."""
 
-    report_index: int | None = None
+    report_index: int | None = Field(None, ge=0, le=INT32_MAX)
     track_metric: str | None = None
     mode: Literal["max", "min"] = "max"
 
@@ -62,24 +74,13 @@ def _json(content: Any, status_code: int = 200) -> Response:
     return Response(body, status_code=status_code, media_type="application/json")
 
 
-def _answers_errors(route: Callable[..., Any]) -> Callable[..., Any]:
-    """A ckval error becomes the API's error body, whichever app includes the router."""
-
-    @functools.wraps(route)
-    def wrapper(*args, **kwargs):
-        try:
-            return route(*args, **kwargs)
-        except CkvalError as exc:
-            status = next((code for cls, code in _STATUS.items() if isinstance(exc, cls)), 400)
-            return _json({"error": type(exc).__name__, "detail": str(exc)}, status)
-
-    return wrapper
+def _error_body(exc: CkvalError) -> Response:
+    """A ckval error as the API's error body, whichever app includes the router."""
+    status = next((code for cls, code in _STATUS.items() if isinstance(exc, cls)), 400)
+    return _json({"error": type(exc).__name__, "detail": str(exc)}, status)
 
 
-def record_json(record: CheckpointRecord) -> dict[str, Any]:
-    from validation_service.cli_registry import record_json as as_json
-
-    return as_json(record)
+_answers_errors = on_ckval_error(_error_body)
 
 
 def attempt_json(run: RunRecord) -> dict[str, Any]:
@@ -94,12 +95,14 @@ def attempt_json(run: RunRecord) -> dict[str, Any]:
 
 def registry_router(registry: Registry, settings: Settings) -> APIRouter:
     """Routes: /runs/{run}/aliases..., /runs/{run}/checkpoints/{i}/tags/{key}, /search,
-    /retention (dry run: what would be deleted), /runs/{run}/status and /runs/{run}/finish."""
+    /retention (dry run: what would be deleted), /runs/{run}/status, /runs/{run}/finish,
+    /runs/{run}/stop-policy, /runs/{run}/stop-decision and /runs/{run}/resume-despite-stop."""
     router = APIRouter()
     _alias_routes(router, registry)
     _tag_routes(router, registry)
     _query_routes(router, registry)
     _run_status_routes(router, registry)
+    _stop_routes(router, registry)
     return router
 
 
@@ -112,7 +115,7 @@ def _alias_routes(router: APIRouter, registry: Registry) -> None:
     @router.get("/runs/{run}/aliases/{alias}")
     @_answers_errors
     def get_alias(run: str, alias: str) -> Response:
-        return _json(record_json(registry.get_alias_record(run, alias)))
+        return _json(labelled_checkpoint_json(registry.get_alias_record(run, alias)))
 
     @router.put("/runs/{run}/aliases/{alias}")
     @_answers_errors
@@ -138,13 +141,13 @@ def _alias_routes(router: APIRouter, registry: Registry) -> None:
 def _tag_routes(router: APIRouter, registry: Registry) -> None:
     @router.put("/runs/{run}/checkpoints/{report_index}/tags/{key}")
     @_answers_errors
-    def put_tag(run: str, report_index: int, key: str, body: TagValue) -> Response:
+    def put_tag(run: str, report_index: ReportIndex, key: str, body: TagValue) -> Response:
         registry.tag(run, report_index, key, body.value)
         return _json({"run": run, "report_index": report_index, "key": key, "value": body.value})
 
     @router.delete("/runs/{run}/checkpoints/{report_index}/tags/{key}")
     @_answers_errors
-    def delete_tag(run: str, report_index: int, key: str) -> Response:
+    def delete_tag(run: str, report_index: ReportIndex, key: str) -> Response:
         registry.tag(run, report_index, key, None)
         return _json({"run": run, "report_index": report_index, "key": key, "removed": True})
 
@@ -155,10 +158,10 @@ def _query_routes(router: APIRouter, registry: Registry) -> None:
     def search(
         filter: str = Query("", description="e.g. metrics.accuracy > 0.9 and tags.split = 'val'"),
         order_by: list[str] = Query([], description="e.g. metrics.accuracy DESC; repeatable"),
-        k: int = Query(100, description="At most this many checkpoints."),
+        k: int = Query(100, ge=1, le=MAX_BEST_K, description="At most this many checkpoints."),
     ) -> Response:
         records = registry.search(filter, order_by=order_by, k=k)
-        return _json([record_json(r) for r in records])
+        return _json([labelled_checkpoint_json(r) for r in records])
 
     @router.get("/retention")
     @_answers_errors
@@ -180,7 +183,7 @@ def _query_routes(router: APIRouter, registry: Registry) -> None:
             keep_latest=keep_latest,
             dry_run=True,
         )
-        return _json([record_json(r) for r in going])
+        return _json([labelled_checkpoint_json(r) for r in going])
 
 
 def _run_status_routes(router: APIRouter, registry: Registry) -> None:
@@ -198,6 +201,44 @@ def _run_status_routes(router: APIRouter, registry: Registry) -> None:
     @router.post("/runs/{run}/finish")
     @_answers_errors
     def finish_run(run: str, body: RunEnd) -> Response:
-        changed = registry.finish_run(run, body.status)
+        changed = registry.ledger.finish_run(run, body.status)
         latest = registry.run_attempts(run)[-1]
         return _json({**attempt_json(latest), "changed": changed})
+
+
+def _stop_routes(router: APIRouter, registry: Registry) -> None:
+    @router.get("/runs/{run}/stop-policy")
+    @_answers_errors
+    def get_stop_policy(run: str) -> Response:
+        return _json({"run": run, "policy": stop_policy_json(registry.stop_policy(run))})
+
+    @router.put("/runs/{run}/stop-policy")
+    @_answers_errors
+    def put_stop_policy(
+        run: str,
+        body: Any = Body(..., description="StopPolicy's fields, e.g. {metric, patience}."),
+    ) -> Response:
+        """Stores the run's policy (before its first report too); a bad field is a 422
+        naming it, and nothing is stored."""
+        policy = registry.set_stop_policy(run, StopPolicy.from_mapping(body))
+        return _json({"run": run, "policy": stop_policy_json(policy)})
+
+    @router.delete("/runs/{run}/stop-policy")
+    @_answers_errors
+    def delete_stop_policy(run: str) -> Response:
+        registry.set_stop_policy(run, None)
+        return _json({"run": run, "policy": None})
+
+    @router.get("/runs/{run}/stop-decision")
+    @_answers_errors
+    def get_stop_decision(run: str) -> Response:
+        """The latest decision of the run's latest attempt (``stopped`` false once
+        overridden), or ``"decision": null``."""
+        return _json({"run": run, "decision": stop_decision_json(registry.stop_decision(run))})
+
+    @router.post("/runs/{run}/resume-despite-stop")
+    @_answers_errors
+    def resume_despite_stop(run: str) -> Response:
+        """Overrides the run's stop decision (recorded); 422 when the run is not stopped."""
+        decision = registry.resume_despite_stop(run)
+        return _json({"run": run, "decision": stop_decision_json(decision)})

@@ -6,14 +6,15 @@ Imports stay light (no Ray, no SQLAlchemy until a command runs): the CLI starts 
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Callable
 from typing import Any
 
 import click
 
+from validation_service._format import echo
 from validation_service._table import render
+from validation_service.cli_common import registry_of
+from validation_service.errors import on_ckval_error
 
 RUN_STATUSES = ("RUNNING", "FINISHED", "FAILED")
 
@@ -28,7 +29,7 @@ status_option = click.option(
 
 def run_rows(summaries) -> tuple[list[str], list[list[Any]]]:
     """Headers and rows of `ckval runs`, with each run's attempt and end."""
-    headers = ["run", "attempt", "status", "created", "ended", "checkpoints", "validations"]
+    headers = ["run", "attempt", "status", "created", "ended", "checkpoints", "validations", "stop"]
     rows = [
         [
             s.run.name,
@@ -38,51 +39,30 @@ def run_rows(summaries) -> tuple[list[str], list[list[Any]]]:
             s.run.ended_at,
             s.checkpoints,
             " ".join(f"{k}={v}" for k, v in sorted(s.job_counts.items())),
+            stop_cell(s.stop),
         ]
         for s in summaries
     ]
     return headers, rows
 
 
-def _registry(ctx: click.Context):
-    from validation_service.config import get_settings
-    from validation_service.registry.registry import Registry
-
-    obj = ctx.ensure_object(dict)
-    if "registry" not in obj:
-        settings = get_settings(
-            database_url=obj.get("database_url"), namespace=obj.get("namespace")
-        )
-        obj["registry"] = Registry(settings=settings)
-    return obj["registry"]
+def stop_cell(decision) -> str:
+    """A run's stop decision in a table cell: "patience at report 6", "overridden", or ""."""
+    if decision is None:
+        return ""
+    if not decision.stopped:
+        return f"overridden ({decision.rule} at report {decision.report_index})"
+    return f"{decision.rule} at report {decision.report_index}"
 
 
-def _errors_reported(command: Callable[..., None]) -> Callable[..., None]:
-    """A ckval error ends the command with its message and exit status 2, as `ckval` does."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        from validation_service.errors import CkvalError
-
-        try:
-            return command(*args, **kwargs)
-        except CkvalError as exc:
-            click.echo(f"error: {exc}", err=True)
-            raise click.exceptions.Exit(2) from None
-
-    return wrapper
+def _exit_naming(exc) -> None:
+    """A ckval error ends the command with its message and exit status 2, as `ckval` does
+    (``@errors_reported``, under ``@click.pass_context``: the stop commands use it too)."""
+    echo(f"error: {exc}", err=True)
+    raise click.exceptions.Exit(2) from None
 
 
-def record_json(record) -> dict[str, Any]:
-    from validation_service.views import checkpoint_json
-
-    deleted = record.deleted_at.isoformat() if record.deleted_at else None
-    return {
-        **checkpoint_json(record),
-        "aliases": list(record.aliases),
-        "tags": record.tags,
-        "deleted_at": deleted,
-    }
+errors_reported = on_ckval_error(_exit_naming)
 
 
 def _records_table(records, metrics: list[str]) -> str:
@@ -104,13 +84,15 @@ def _records_table(records, metrics: list[str]) -> str:
 
 def _print_records(records, as_json: bool, metrics: list[str] | None = None) -> None:
     if as_json:
-        click.echo(json.dumps([record_json(r) for r in records], indent=1, default=str))
+        from validation_service.views import labelled_checkpoint_json
+
+        echo(json.dumps([labelled_checkpoint_json(r) for r in records], indent=1, default=str))
         return
     if metrics is None:
         metrics = []
         for record in records:
             metrics += [name for name in record.metrics if name not in metrics]
-    click.echo(_records_table(records, metrics[:6]))
+    echo(_records_table(records, metrics[:6]))
 
 
 @click.command("alias")
@@ -122,7 +104,7 @@ def _print_records(records, as_json: bool, metrics: list[str] | None = None) -> 
 @click.option("--mode", type=click.Choice(["max", "min"]), default="max", show_default=True)
 @click.option("--delete", "remove", is_flag=True, help="Remove ALIAS (and its tracking).")
 @click.pass_context
-@_errors_reported
+@errors_reported
 def alias_command(
     ctx: click.Context,
     run: str,
@@ -135,7 +117,7 @@ def alias_command(
 ) -> None:
     """Point ALIAS of RUN at checkpoint REPORT_INDEX, keep it on the best (--track), remove
     it (--delete), or show where it points (no REPORT_INDEX)."""
-    registry = _registry(ctx)
+    registry = registry_of(ctx)
     if sum([report_index is not None, track, remove]) > 1:
         raise click.UsageError("give one of REPORT_INDEX, --track or --delete")
     if track:
@@ -143,15 +125,15 @@ def alias_command(
             raise click.UsageError("--track needs --metric, e.g. --metric accuracy --mode max")
         index = registry.track_alias(run, alias, metric, mode)
         where = "no checkpoint yet" if index is None else f"report {index}"
-        click.echo(f"{run}:{alias} tracks the {mode} of {metric!r} (now {where})")
+        echo(f"{run}:{alias} tracks the {mode} of {metric!r} (now {where})")
     elif remove:
         if not registry.remove_alias(run, alias):
-            click.echo(f"{run} had no alias {alias!r}")
+            echo(f"{run} had no alias {alias!r}")
             return
-        click.echo(f"removed {run}:{alias}")
+        echo(f"removed {run}:{alias}")
     elif report_index is not None:
         registry.set_alias(run, alias, report_index)
-        click.echo(f"{run}:{alias} -> report {report_index}")
+        echo(f"{run}:{alias} -> report {report_index}")
     else:
         _print_records([registry.get_alias_record(run, alias)], as_json=False)
 
@@ -163,15 +145,15 @@ def alias_command(
 @click.argument("value", required=False)
 @click.option("--delete", "remove", is_flag=True, help="Remove the tag KEY.")
 @click.pass_context
-@_errors_reported
+@errors_reported
 def tag_command(
     ctx: click.Context, run: str, report_index: int, key: str, value: str | None, remove: bool
 ) -> None:
     """Set tag KEY=VALUE on checkpoint REPORT_INDEX of RUN (or remove it with --delete)."""
     if (value is None) != remove:
         raise click.UsageError("give VALUE, or --delete to remove the tag")
-    _registry(ctx).tag(run, report_index, key, None if remove else value)
-    click.echo(
+    registry_of(ctx).tag(run, report_index, key, None if remove else value)
+    echo(
         f"{run}/{report_index}: removed {key}" if remove else f"{run}/{report_index}: {key}={value}"
     )
 
@@ -188,7 +170,7 @@ def tag_command(
 @click.option("--save", is_flag=True, help="Also store the policy: the service applies it.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_context
-@_errors_reported
+@errors_reported
 def gc_command(
     ctx: click.Context,
     run: str | None,
@@ -204,8 +186,10 @@ def gc_command(
 ) -> None:
     """Delete the checkpoints of RUN (of every run when RUN is left out) that no --keep-*
     rule keeps. Checkpoints with an alias, with a validation in flight, and each run's
-    latest are always kept."""
-    registry = _registry(ctx)
+    latest are always kept. Files go only from inside a checkpoint's own run folder and
+    never from a folder another checkpoint uses; a NO_UPLOAD checkpoint outside the
+    storage root keeps its files."""
+    registry = registry_of(ctx)
     rule = {
         "metric": metric,
         "mode": mode,
@@ -216,25 +200,30 @@ def gc_command(
     going = registry.apply_retention(run, **rule, dry_run=True)
     if save:
         registry.set_retention(run, **rule)
-        click.echo(f"stored the retention policy of {run or 'the namespace'}", err=as_json)
+        echo(f"stored the retention policy of {run or 'the namespace'}", err=as_json)
     if not going:
-        click.echo("[]" if as_json else "nothing to delete")
+        echo("[]" if as_json else "nothing to delete")
         return
     if dry_run:
         _print_records(going, as_json, [metric])
         if not as_json:
-            click.echo(f"{len(going)} checkpoint(s) would be deleted (dry run)")
+            echo(f"{len(going)} checkpoint(s) would be deleted (dry run)")
         return
-    if not yes:
-        _print_records(going, False, [metric])
-        if not click.confirm(f"Delete these {len(going)} checkpoint(s) and their files?"):
-            click.echo("nothing deleted")
-            return
-    deleted = registry.apply_retention(run, **rule)
-    if as_json:
-        _print_records(deleted, True)
-    else:
-        click.echo(f"deleted {len(deleted)} checkpoint(s)")
+    if yes or _deletion_confirmed(going, metric):
+        deleted = registry.apply_retention(run, **rule)
+        if as_json:
+            _print_records(deleted, True)
+        else:
+            echo(f"deleted {len(deleted)} checkpoint(s)")
+
+
+def _deletion_confirmed(going, metric: str) -> bool:
+    """Shows what `ckval gc` would delete and asks; says so when the answer is no."""
+    _print_records(going, False, [metric])
+    if click.confirm(f"Delete these {len(going)} checkpoint(s) and their files?"):
+        return True
+    echo("nothing deleted")
+    return False
 
 
 @click.command("search")
@@ -245,13 +234,13 @@ def gc_command(
 @click.option("-k", "k", default=100, show_default=True, help="At most this many.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_context
-@_errors_reported
+@errors_reported
 def search_command(
     ctx: click.Context, filter: str, order_by: tuple[str, ...], k: int, as_json: bool
 ) -> None:
     """Checkpoints of every run matching FILTER, MLflow's search grammar:
     "metrics.accuracy > 0.9 and tags.split = 'val' and run LIKE 'bert-%'"."""
-    records = _registry(ctx).search(filter, order_by=list(order_by), k=k)
+    records = registry_of(ctx).search(filter, order_by=list(order_by), k=k)
     _print_records(records, as_json)
 
 

@@ -14,10 +14,11 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
 from validation_service import _home
-from validation_service._home import ENV_PREFIX
+from validation_service._home import ENV_PREFIX, env_var
 from validation_service.errors import InvalidSettings
 from validation_service.names import RULE as NAME_RULE
 from validation_service.names import is_safe_name, suggested_name
+from validation_service.secrets import ckval_env  # noqa: F401 - also imported from here
 
 # Settings given as JSON objects, with an example for the error that says how.
 _JSON_OBJECT_EXAMPLES = {
@@ -152,9 +153,23 @@ class Settings(BaseSettings):
 
     # Trackers that validated metrics are logged to: CKVAL_SINKS="mlflow,wandb" or a JSON
     # list such as [{"kind": "mlflow", "tracking_uri": "sqlite:///mlflow.db"}] (see sinks/).
-    sinks: Annotated[list[dict[str, Any]], NoDecode] = Field(default_factory=list)
+    # Left out of repr(Settings): a tracking URI may carry a password.
+    sinks: Annotated[list[dict[str, Any]], NoDecode] = Field(default_factory=list, repr=False)
     sink_attempts: int = 4
     sink_backoff_s: float = 2.0
+    # MLflow tracking servers the MLflow sink may log to besides its own (the sink's
+    # tracking_uri, else the service's MLFLOW_TRACKING_URI): a run's recorded server is
+    # used only when it is one of these. CKVAL_MLFLOW_ALLOWED_URIS, comma-separated or a
+    # JSON list; credentials in them stay with the service.
+    mlflow_allowed_uris: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
+
+    @field_validator("mlflow_allowed_uris", mode="before")
+    @classmethod
+    def _split_mlflow_allowed_uris(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            return json.loads(text) if text.startswith("[") else [u for u in text.split(",") if u]
+        return value
 
     @field_validator("sinks", mode="before")
     @classmethod
@@ -211,29 +226,6 @@ class Settings(BaseSettings):
         return value
 
 
-def ckval_env(*, include_secrets: bool = False) -> dict[str, str]:
-    """The CKVAL_* variables of this process, to hand on to Ray workers and actors.
-
-    For Ray's ``runtime_env``, which Ray's state API and dashboard show to anyone who can
-    see the cluster, variables that hold a secret (a database URL with a password,
-    CKVAL_SECRET_KEY, CKVAL_API_TOKEN, storage credentials) are left out and named in
-    CKVAL_WITHHELD instead: a worker that lacks them in its own environment gets them
-    from the service actor (trainer_integration's resolve_settings). ``include_secrets``
-    is for channels that are not shown, such as a Dask task's arguments.
-    """
-    from validation_service.secrets import WITHHELD_VAR, secret_env_vars
-
-    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX) and k != WITHHELD_VAR}
-    if include_secrets:
-        return env
-    withheld = secret_env_vars(env)
-    for name in withheld:
-        del env[name]
-    if withheld:
-        env[WITHHELD_VAR] = ",".join(withheld)
-    return env
-
-
 def get_settings(**overrides) -> Settings:
     """The CKVAL_* settings with ``overrides`` (None: not given) on top.
 
@@ -242,25 +234,21 @@ def get_settings(**overrides) -> Settings:
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
-def _env_name(field: str) -> str:
-    return f"{ENV_PREFIX}{field.upper()}"
-
-
 def _validation_message(exc: ValidationError, given: dict[str, Any]) -> str:
     problems = []
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else "?"
-        name = _env_name(field) if field not in given else f"{field} (or {_env_name(field)})"
+        name = env_var(field) if field not in given else f"{field} (or {env_var(field)})"
+        got = _shown(field, error.get("input"))
         if field in _JSON_OBJECT_EXAMPLES and error["type"] in ("dict_type", "json_invalid"):
             problems.append(
-                f"{name} must be a JSON object such as '{_JSON_OBJECT_EXAMPLES[field]}', "
-                f"got {error['input']!r}"
+                f"{name} must be a JSON object such as '{_JSON_OBJECT_EXAMPLES[field]}', got {got}"
             )
         elif error["type"] == "value_error":
             problems.append(f"{name} {error['ctx']['error']}")
         else:
             detail = error["msg"][0].lower() + error["msg"][1:]
-            problems.append(f"{name}: {detail}, got {error['input']!r}")
+            problems.append(f"{name}: {detail}, got {got}")
     return _settings_message(problems)
 
 
@@ -270,10 +258,19 @@ def _parsing_message(exc: SettingsError) -> str:
     if found is None:
         return _settings_message([str(exc)])
     field = found.group(1)
-    value = os.environ.get(_env_name(field), os.environ.get(_env_name(field).lower()))
+    value = os.environ.get(env_var(field), os.environ.get(env_var(field).lower()))
     example = _JSON_OBJECT_EXAMPLES.get(field)
     what = f"a JSON object such as '{example}'" if example else "valid JSON"
-    return _settings_message([f"{_env_name(field)} must be {what}, got {value!r}"])
+    return _settings_message([f"{env_var(field)} must be {what}, got {_shown(field, value)}"])
+
+
+def _shown(field: str, value: Any) -> str:
+    """A bad value as an error shows it: never one of a setting that may hold credentials."""
+    from validation_service.secrets import JSON_FIELDS, SECRET_FIELDS
+
+    if field in (*JSON_FIELDS, *SECRET_FIELDS, "database_url", "storage"):
+        return "a value that is not shown here, as it may hold credentials"
+    return repr(value)
 
 
 def _settings_message(problems: list[str]) -> str:

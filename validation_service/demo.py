@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from validation_service import _ray_compat
 from validation_service.errors import (
     PermanentValidationError,
     ValidationsFailedWarning,
@@ -201,55 +202,23 @@ def run_demo(
     ``fail_epochs``: epochs whose validation raises on purpose, to see what a failed
     validation looks like.
     """
-    import ray
-    from ray.train import LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from trainer_integration.run_status import RunStatusCallback
-    from validation_service.config import ckval_env, get_settings
+    from validation_service.config import get_settings
     from validation_service.progress import ProgressRenderer
     from validation_service.registry.registry import Registry
     from validation_service.secrets import mask_url
     from validation_service.service import ValidationService
 
     settings = get_settings()
-    home = settings.resolved_home()
     run_name = run_name or f"ckval-demo-{time.strftime('%Y%m%d-%H%M%S')}"
     print(f"ckval demo: run {run_name!r}")
     print(f"  registry: {mask_url(settings.resolved_database_url())}")
     print(f"  storage:  {mask_url(settings.resolved_storage())}")
-    if not ray.is_initialized():
-        # Logical CPUs for 2 training workers plus concurrent validations, on any machine.
-        # Ray's own output stays out of the demo's: workers' and actors' lines are not
-        # forwarded, and the driver logs warnings only.
-        ray.init(
-            num_cpus=max(os.cpu_count() or 1, num_workers + 2),
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-            runtime_env={"env_vars": ckval_env()},
-        )
+    _start_ray(num_workers)
     service = ValidationService.start(settings=settings)
     registry = Registry(settings=settings)
     renderer = ProgressRenderer(sys.stdout)
     started = time.perf_counter()
-    trainer = TorchTrainer(
-        train_func,
-        train_loop_config={
-            "epochs": epochs,
-            "lr": 0.1,
-            "batch_size": 32,
-            "fail_epochs": sorted(fail_epochs),
-        },
-        scaling_config=ScalingConfig(num_workers=num_workers),
-        run_config=RunConfig(
-            name=run_name,
-            storage_path=str(home / "ray_results"),
-            logging_config=LoggingConfig(log_level="WARNING"),
-            # The ckval run ends FINISHED (or FAILED) with the Ray Train run.
-            callbacks=[RunStatusCallback(settings)],
-        ),
-    )
+    trainer = _trainer(settings, run_name, epochs, num_workers, fail_epochs)
     print(f"training {epochs} epochs on {num_workers} workers, validating every epoch...")
     with TrainingProgress(registry, run_name, renderer):
         result = trainer.fit()
@@ -264,6 +233,59 @@ def run_demo(
         registry.wait(run_name, timeout_s=300, progress=renderer)
     waited = time.perf_counter() - started - trained
     print(f"all validations done {waited:.1f}s after training ended\n")
+    _print_outcome(registry, service, run_name)
+    message = exit_message(registry, run_name, epochs)
+    if message is not None:
+        raise SystemExit(f"ckval demo failed: {message}")
+
+
+def _start_ray(num_workers: int) -> None:
+    """A local Ray for the demo, unless one is already initialised."""
+    import ray
+
+    from validation_service.secrets import ckval_env
+
+    if ray.is_initialized():
+        return
+    # Logical CPUs for the training workers plus concurrent validations, on any machine.
+    # Ray's own output stays out of the demo's: workers' and actors' lines are not
+    # forwarded, and the driver logs warnings only.
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, num_workers + 2),
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        runtime_env={"env_vars": ckval_env()},
+    )
+
+
+def _trainer(settings, run_name: str, epochs: int, num_workers: int, fail_epochs):
+    """The demo's TorchTrainer: ``train_func`` on ``num_workers`` workers."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from trainer_integration.run_status import RunStatusCallback
+
+    return TorchTrainer(
+        train_func,
+        train_loop_config={
+            "epochs": epochs,
+            "lr": 0.1,
+            "batch_size": 32,
+            "fail_epochs": sorted(fail_epochs),
+        },
+        scaling_config=ScalingConfig(num_workers=num_workers),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=str(settings.resolved_home() / "ray_results"),
+            **_ray_compat.logging_config_kwargs("WARNING"),  # Ray 2.56+ only
+            # The ckval run ends FINISHED (or FAILED) with the Ray Train run.
+            callbacks=[RunStatusCallback(settings)],
+        ),
+    )
+
+
+def _print_outcome(registry, service, run_name: str) -> None:
     print("top-3 checkpoints by validated accuracy:")
     print(_top_checkpoints(registry, run_name))
     counts = registry.job_counts(run_name)
@@ -271,6 +293,3 @@ def run_demo(
     print(f"try: ckval best {run_name} --metric accuracy -k 3")
     status = service.status()
     print(f"service {status['owner']}: {status['finished']} validations finished")
-    message = exit_message(registry, run_name, epochs)
-    if message is not None:
-        raise SystemExit(f"ckval demo failed: {message}")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Callable
+from typing import Any
 
 
 class CkvalError(Exception):
@@ -13,6 +16,23 @@ class CkvalError(Exception):
         # exception by calling its class with self.args, which is the message alone, not
         # the arguments of a subclass's __init__: rebuild from the message and the fields.
         return (_rebuild_error, (type(self), str(self), dict(self.__dict__)))
+
+
+def on_ckval_error(answer: Callable[[CkvalError], Any]) -> Callable:
+    """A decorator: a CkvalError the function raises becomes ``answer(error)``, for the
+    front ends that turn it into their own answer (an HTTP error body, a CLI exit)."""
+
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            try:
+                return function(*args, **kwargs)
+            except CkvalError as exc:
+                return answer(exc)
+
+        return wrapper
+
+    return decorate
 
 
 def _rebuild_error(cls: type[CkvalError], message: str, fields: dict) -> CkvalError:
@@ -177,7 +197,7 @@ class ReportIndexTaken(CkvalError):
         super().__init__(
             f"Report index {report_index} of run {run} already holds the checkpoint at "
             f"{existing_uri}; {uri} was not registered. Report indices come from "
-            "Registry.reserve_report_index(run_id): reserve one per report instead of "
+            "Registry.ledger.reserve_report_index(run_id): reserve one per report instead of "
             "choosing it."
         )
 
@@ -302,12 +322,14 @@ class PayloadSignatureError(CkvalError, PermissionError):
 class ModuleNotAllowed(InvalidInput):
     """A validate_fn reference to a module outside CKVAL_ALLOWED_MODULES."""
 
-    def __init__(self, ref: str, allowed: list[str]):
+    def __init__(self, ref: str, allowed: list[str], reached: str | None = None):
         self.ref = ref
         self.allowed = allowed
+        what = "names a module" if reached is None else f"leads to {reached},"
+        done = "it was not imported" if reached is None else "nothing of it was called"
         super().__init__(
-            f"validate_fn reference {ref!r} names a module outside CKVAL_ALLOWED_MODULES "
-            f"({', '.join(allowed)}); it was not imported. Move the function into one of "
+            f"validate_fn reference {ref!r} {what} outside CKVAL_ALLOWED_MODULES "
+            f"({', '.join(allowed)}); {done}. Move the function into one of "
             "those packages, pass the function itself, or add its package to "
             "CKVAL_ALLOWED_MODULES on the service and the reporters."
         )

@@ -16,7 +16,7 @@ class ValidationRequest:
     ``validate_fn_ref`` is an importable ``"package.module:function"`` and
     ``validate_fn_pickle`` a cloudpickled callable (one of the two); ``validate_config`` is
     cloudpickled. The reporter signs both pickles before they are stored
-    (``trainer_integration._reporter.signed_request``, ``validation_service.signing``):
+    (``trainer_integration._request.signed_request``, ``validation_service.signing``):
     an attempt unpickles only what verifies. ``pool`` is the concurrency pool the job
     counts against.
 

@@ -1,8 +1,10 @@
 """Retry policy: after a failed attempt or a lost lease, run again at T or end with status S;
 and which database errors are outages worth retrying.
 
-Above the store: the scheduler (or the Registry, for callers that bring none) asks the
-policy and the queue records the answer. Neither the database nor Ray is needed here.
+Above the store: the scheduler (or the registry's JobQueue, for callers that bring none)
+asks the policy and the queue records the answer. AttemptBudget is the one place that
+counts a job's attempts (left, and what a user retry gives). Neither the database nor
+Ray is needed here.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import dataclasses
 import datetime as dt
 import random
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
@@ -37,9 +40,33 @@ class AttemptBudget:
     attempts_before_retry: int
     max_attempts: int
 
+    @classmethod
+    def of(cls, job) -> AttemptBudget:
+        """The budget of a job row or record (attempts, attempts_before_retry, max_attempts)."""
+        return cls(job.attempts, job.attempts_before_retry, job.max_attempts)
+
     @property
     def left(self) -> int:
         return self.max_attempts - (self.attempts - self.attempts_before_retry)
+
+    def retries_spent(self, max_retries: int | None) -> bool:
+        """Whether the job made max_attempts x (1 + max_retries) attempts in all: a user
+        retry limited to ``max_retries`` gives it no more (None: no limit)."""
+        return max_retries is not None and self.attempts >= self.max_attempts * (1 + max_retries)
+
+
+def counted_from_after_retry(
+    attempts: Any, max_attempts: Any, max_retries: int | None, least: Callable = min
+) -> Any:
+    """The attempts_before_retry of a fresh budget: a full one from the attempts made,
+    cut with ``max_retries`` to what is left of max_attempts x (1 + max_retries).
+
+    On numbers, or on a job's columns with ``least`` the database's minimum (a user
+    retry moves many jobs in one statement).
+    """
+    if max_retries is None:
+        return attempts
+    return least(attempts, max_attempts * max_retries)
 
 
 class RetryPolicy:

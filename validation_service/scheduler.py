@@ -45,6 +45,7 @@ class Scheduler:
         retry_policy: RetryPolicy | None = None,
     ):
         self.registry = registry
+        self.jobs = registry.job_queue
         self.settings = settings
         self.owner_prefix = f"{settings.service_name}/"
         incarnation = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -132,7 +133,7 @@ class Scheduler:
 
         One service (name) per database: its predecessor is known to be dead.
         """
-        requeued = self.registry.release_leases(
+        requeued = self.jobs.release_leases(
             self.owner_prefix, keep_owner=self.owner, policy=self.retry_policy
         )
         if requeued:
@@ -172,7 +173,7 @@ class Scheduler:
             self._heartbeat()
             self._last_heartbeat = now
         if now - self._last_expiry_scan >= self.settings.heartbeat_s:
-            requeued = self.registry.requeue_expired(policy=self.retry_policy)
+            requeued = self.jobs.requeue_expired(policy=self.retry_policy)
             if requeued:
                 logger.warning("requeued jobs with expired leases: %s", requeued)
             self._last_expiry_scan = now
@@ -191,10 +192,10 @@ class Scheduler:
         # and room, so nudges and polls do not contend with reporters for the write lock.
         busy = self._busy_by_pool()
         if not any(
-            busy.get(pool, 0) < self.settings.pool_size(pool) for pool in self.registry.due_pools()
+            busy.get(pool, 0) < self.settings.pool_size(pool) for pool in self.jobs.due_pools()
         ):
             return
-        claimed = self.registry.claim_due_jobs(
+        claimed = self.jobs.claim_due_jobs(
             self.owner,
             self.settings.pools,
             lease_s=self.settings.lease_s,
@@ -262,9 +263,7 @@ class Scheduler:
             self.sinks.submit(job)
 
     def _record(self, job: ClaimedJob, outcome: JobOutcome) -> bool:
-        return self.registry.finish_job(
-            job.job_id, job.lease_token, outcome, policy=self.retry_policy
-        )
+        return self.jobs.finish_job(job.job_id, job.lease_token, outcome, policy=self.retry_policy)
 
     def _enforce_timeouts(self) -> None:
         now = time.monotonic()
@@ -291,7 +290,7 @@ class Scheduler:
         leases = [(job_id, h.job.lease_token) for job_id, (_, h) in self._in_flight.items()]
         if not leases:
             return
-        held = self.registry.heartbeat(self.owner, leases, lease_s=self.settings.lease_s)
+        held = self.jobs.heartbeat(self.owner, leases, lease_s=self.settings.lease_s)
         for job_id in [j for j, _ in leases if j not in held]:
             # Cancelled by a user, or taken over after our lease expired: stop the attempt.
             executor, handle = self._in_flight.pop(job_id)

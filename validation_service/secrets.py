@@ -1,4 +1,5 @@
-"""What ckval treats as secret, and how a secret is kept out of text: URLs and settings.
+"""What ckval treats as secret, and how a secret is kept out of text (URLs and settings)
+and out of what Ray shows (the settings handed on to Ray workers).
 
 ``mask_url`` is the one function that makes a URL fit to print (errors, logs, ``repr``,
 HTTP answers); ``public_settings`` is the one view of Settings fit to return or show.
@@ -9,8 +10,11 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import unquote_plus, urlsplit
+
+from validation_service._home import ENV_PREFIX, env_field, env_var
 
 if TYPE_CHECKING:
     from validation_service.config import Settings
@@ -58,37 +62,85 @@ def is_secret_name(name: str) -> bool:
 
 
 def mask_url(url: Any) -> str:
-    """A URL fit to print: a password in ``user:password@`` and the values of secret
-    query parameters (``password``, ``token``, ``aws_secret_access_key``, ...) become ***.
+    """A URL fit to print: its password and the values of secret query parameters
+    (``password``, ``token``, ``aws_secret_access_key``, ...) become ***.
 
-    Takes a string or a SQLAlchemy URL; text that is not a URL comes back unchanged.
+    The password is found as SQLAlchemy reads it (``make_url``: a raw '/', '#' or '?' in
+    it included, as in ``postgresql+psycopg://u:Pa/ss@host/db``) and as urllib and fsspec
+    read it (the last '@' of the authority); whatever either finds is masked. Takes a
+    string or a SQLAlchemy URL; text that is not a URL comes back unchanged.
     """
     if url is None:
         return ""
     text = url if isinstance(url, str) else _sqlalchemy_url_text(url)
     if not _URL.match(text):
         return text
-    parts = urlsplit(text)
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, host = netloc.rpartition("@")
-        user, sep, _password = userinfo.partition(":")
-        netloc = f"{user}:{MASK}@{host}" if sep else netloc
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        if any(is_secret_name(name) for name, _ in pairs):
-            masked = [(name, MASK if is_secret_name(name) else value) for name, value in pairs]
-            query = urlencode(masked, safe="*/:")
-    if netloc == parts.netloc and query == parts.query:
+    return _mask_query(_mask_userinfo(_mask_sqlalchemy_password(text)))
+
+
+def _mask_sqlalchemy_password(text: str) -> str:
+    """``text`` with the password that SQLAlchemy's make_url reads in it shown as ***.
+
+    make_url takes ``scheme://user:password@``, where the user holds no ':' or '/' and
+    the password runs to the next '@', whatever else it holds.
+    """
+    if "@" not in text:
         return text
-    # Rebuilt by hand: urlunsplit drops the empty authority of "sqlite:///path".
-    masked = f"{parts.scheme}://{netloc}{parts.path}"
-    if query:
-        masked += f"?{query}"
-    if parts.fragment:
-        masked += f"#{parts.fragment}"
-    return masked
+    try:
+        from sqlalchemy.engine import make_url
+
+        if make_url(text).password is None:
+            return text
+    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy reads: the other readings apply
+        return text
+    start = text.index("://") + 3
+    user_end = start + len(re.match(r"[^:/]*", text[start:]).group())  # type: ignore[union-attr]
+    at = text.find("@", user_end)
+    if text[user_end : user_end + 1] != ":" or at < 0:
+        return text
+    return f"{text[: user_end + 1]}{MASK}{text[at:]}"
+
+
+def _mask_userinfo(text: str) -> str:
+    """``text`` with a password in ``user:password@`` as urllib (and fsspec) read it."""
+    parts = urlsplit(text)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    user, colon, password = userinfo.partition(":")
+    if not at or not colon or password == MASK:
+        return text
+    start = text.index("://") + 3
+    return f"{text[:start]}{user}:{MASK}@{host}{text[start + len(parts.netloc) :]}"
+
+
+def _mask_query(text: str) -> str:
+    """Secret query parameters' values shown as ***. The query is everything after the
+    first '?' (SQLAlchemy's reading: a '#' in a value is part of it)."""
+    base, question, query = text.partition("?")
+    if not question:
+        return text
+    pairs = [pair.partition("=") for pair in query.split("&")]
+    if not any(is_secret_name(unquote_plus(name)) for name, _, _ in pairs):
+        return text
+    masked = [
+        f"{name}{eq}{MASK if is_secret_name(unquote_plus(name)) else value}"
+        for name, eq, value in pairs
+    ]
+    return f"{base}?{'&'.join(masked)}"
+
+
+def without_credentials(url: str) -> str:
+    """``url`` with no password, no user and no secret query parameter: fit to store and
+    serve (e.g. the tracking URI a run was logged to); other text comes back unchanged."""
+    text = mask_url(url)
+    if not _URL.match(text):
+        return text
+    start = text.index("://") + 3
+    at = text.find(f":{MASK}@", start)
+    if at >= 0 and "/" not in text[start:at]:
+        text = text[:start] + text[at + len(MASK) + 2 :]
+    base, _, query = text.partition("?")
+    kept = "&".join(pair for pair in query.split("&") if pair.partition("=")[2] != MASK)
+    return f"{base}?{kept}" if kept else base
 
 
 def has_secret(url: str | None) -> bool:
@@ -97,16 +149,21 @@ def has_secret(url: str | None) -> bool:
 
 
 def mask_options(options: dict[str, Any]) -> dict[str, Any]:
-    """Storage options (fsspec keyword arguments) with secret values shown as ***."""
-    masked: dict[str, Any] = {}
-    for name, value in options.items():
-        if is_secret_name(str(name)):
-            masked[name] = MASK
-        elif isinstance(value, dict):
-            masked[name] = mask_options(value)
-        else:
-            masked[name] = value
-    return masked
+    """Options (fsspec keyword arguments, a sink's options) with secret values shown as
+    ***: those of secret names, and passwords in URLs anywhere in them."""
+    return {
+        name: MASK if is_secret_name(str(name)) else mask_value(value)
+        for name, value in options.items()
+    }
+
+
+def mask_value(value: Any) -> Any:
+    """``value`` (a str, or dicts and lists of them) with every secret in it masked."""
+    if isinstance(value, dict):
+        return mask_options(value)
+    if isinstance(value, (list, tuple)):
+        return [mask_value(item) for item in value]
+    return mask_url(value) if isinstance(value, str) else value
 
 
 def public_settings(settings: Settings) -> Settings:
@@ -119,6 +176,7 @@ def public_settings(settings: Settings) -> Settings:
         "database_url": mask_url(settings.database_url) if settings.database_url else None,
         "storage_options": mask_options(settings.storage_options),
         "storage": mask_url(settings.storage) if settings.storage else None,
+        "sinks": mask_value(settings.sinks),
     }
     for name in SECRET_FIELDS:
         if name in type(settings).model_fields:
@@ -126,8 +184,14 @@ def public_settings(settings: Settings) -> Settings:
     return settings.model_copy(update=update)
 
 
-# CKVAL_* variables whose value is withheld from Ray's runtime_env (see ckval_env()).
-WITHHELD_VAR = "CKVAL_WITHHELD"
+# ---------------------------------------------- how settings and secrets reach Ray workers
+# Ray workers and actors get this process's CKVAL_* variables through Ray's runtime_env
+# (ckval_env()), less those holding a secret: Ray's state API and dashboard show a
+# runtime_env to anyone who can see the cluster. The withheld ones are named in
+# CKVAL_WITHHELD; a worker that lacks them in its own environment gets them, with the
+# signing key, from the service actor (worker_settings(), over the actor's
+# reporter_settings_json()).
+WITHHELD_VAR = f"{ENV_PREFIX}WITHHELD"
 
 
 def secret_env_vars(environ: dict[str, str] | None = None) -> list[str]:
@@ -135,24 +199,81 @@ def secret_env_vars(environ: dict[str, str] | None = None) -> list[str]:
     environ = dict(os.environ if environ is None else environ)
     secret = []
     for name, value in environ.items():
-        if not name.startswith("CKVAL_") or name == WITHHELD_VAR:
+        field = env_field(name)
+        if field is None or name == WITHHELD_VAR:
             continue
-        field = name[len("CKVAL_") :].lower()
-        if field in SECRET_FIELDS:
+        if field in SECRET_FIELDS or has_secret(value):
             secret.append(name)
-        elif field in ("database_url", "storage") and has_secret(value):
-            secret.append(name)
-        elif field == "storage_options" and _options_have_secret(value):
+        elif field in JSON_FIELDS and _json_has_secret(value):
             secret.append(name)
     return sorted(secret)
 
 
-def _options_have_secret(value: str) -> bool:
+def ckval_env(*, include_secrets: bool = False) -> dict[str, str]:
+    """The CKVAL_* variables of this process, to hand on to Ray workers and actors.
+
+    For Ray's ``runtime_env`` the variables that hold a secret (a database URL with a
+    password, CKVAL_SECRET_KEY, CKVAL_API_TOKEN, storage credentials) are left out and
+    named in CKVAL_WITHHELD instead. ``include_secrets`` is for channels that are not
+    shown, such as a Dask task's arguments.
+    """
+    env = {k: v for k, v in os.environ.items() if env_field(k) and k != WITHHELD_VAR}
+    if include_secrets:
+        return env
+    withheld = secret_env_vars(env)
+    for name in withheld:
+        del env[name]
+    if withheld:
+        env[WITHHELD_VAR] = ",".join(withheld)
+    return env
+
+
+def worker_settings(settings: Settings, served: Callable[[], Settings]) -> Settings:
+    """The settings of a process that may be a Ray worker started with ``ckval_env()``:
+    ``settings`` (its CKVAL_* variables) when it has every variable, else completed from
+    ``served()``, the running service's full settings. A process with no CKVAL_* variable
+    at all (a remote cluster) gets the service's settings; without a service, the
+    defaults apply unless a variable was withheld (then SecretsUnavailable)."""
+    withheld = [
+        name
+        for name in os.environ.get(WITHHELD_VAR, "").split(",")
+        if name and name not in os.environ
+    ]
+    configured = any(env_field(k) and k != WITHHELD_VAR for k in os.environ)
+    if configured and not withheld:
+        return settings
     try:
-        options = json.loads(value or "{}")
+        service = served()
+    except Exception as exc:  # noqa: BLE001 - no service: the defaults apply, unless withheld
+        if withheld:
+            from validation_service.errors import SecretsUnavailable
+
+            raise SecretsUnavailable(withheld, f"{type(exc).__name__}: {exc}") from None
+        return settings
+    if not configured:
+        return service
+    fields = {env_field(name) for name in withheld}
+    # The service signs with the driver's key: take it unless this process has its own.
+    for field in ("secret_key", "secret_key_previous"):
+        if env_var(field) not in os.environ:
+            fields.add(field)
+    return settings.model_copy(update={field: getattr(service, field) for field in fields})
+
+
+# Settings given as JSON that may hold credentials (storage options, a sink's tracking
+# URI): withheld from Ray and never echoed in an error.
+JSON_FIELDS = ("storage_options", "sinks")
+
+
+def _json_has_secret(value: str) -> bool:
+    text = (value or "").strip()
+    if not text.startswith(("{", "[")):
+        return False  # "mlflow,wandb": sink kinds, nothing else
+    try:
+        parsed = json.loads(text)
     except ValueError:
         return True  # not readable here: treat it as secret rather than show it
-    return isinstance(options, dict) and mask_options(options) != options
+    return mask_value(parsed) != parsed
 
 
 def _sqlalchemy_url_text(url: Any) -> str:

@@ -11,9 +11,15 @@ from typing import Any
 
 import ray
 
-from validation_service.config import Settings, ckval_env, get_settings
+from validation_service.config import Settings, get_settings
 from validation_service.logs import configure_logging
-from validation_service.secrets import SECRET_FIELDS, has_secret, mask_url, public_settings
+from validation_service.secrets import (
+    SECRET_FIELDS,
+    ckval_env,
+    has_secret,
+    mask_url,
+    public_settings,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,21 +145,8 @@ class ValidationService:
         settings, secrets included, reach the actor as its constructor argument; only
         the CKVAL_* variables that hold no secret go into its runtime_env.
         """
-        from validation_service.signing import secret_key
-
-        settings = settings or get_settings()
         update = {"database_url": database_url, "storage": storage, "pools": pools, **overrides}
-        settings = settings.model_copy(update={k: v for k, v in update.items() if v is not None})
-        ensure_ray(settings)
-        # Settle the embedded defaults here so the actor uses this process's CKVAL_HOME,
-        # and this process's signing key (its reporters sign with it).
-        settings = settings.model_copy(
-            update={
-                "database_url": settings.resolved_database_url(),
-                "storage": settings.resolved_storage(),
-                "secret_key": secret_key(settings),
-            }
-        )
+        settings = _settled(settings or get_settings(), update)
         actor_cls = ray.remote(_ServiceActor)
         actor = actor_cls.options(
             name=settings.service_name,
@@ -179,15 +172,7 @@ class ValidationService:
                 f"cluster with database {running.resolved_database_url()!r}, not "
                 f"{ours!r}. Stop it (`ckval stop`) or pick another CKVAL_SERVICE_NAME."
             )
-        # The running service's settings, with this process's secrets for the same database.
-        secrets_here = {
-            name: getattr(settings, name)
-            for name in ("database_url", "storage_options", *SECRET_FIELDS)
-            if name in Settings.model_fields
-        }
-        if has_secret(settings.storage):
-            secrets_here["storage"] = settings.storage
-        handle.settings = running.model_copy(update=secrets_here)
+        handle.settings = _with_secrets_of(running, settings)
         return handle
 
     @staticmethod
@@ -216,3 +201,32 @@ def ensure_ray(settings: Settings) -> None:
             log_to_driver=False,
             runtime_env={"env_vars": ckval_env()},
         )
+
+
+def _settled(settings: Settings, update: dict[str, Any]) -> Settings:
+    """The settings with start()'s arguments (those not None), Ray connected, and the
+    embedded defaults settled here, so that the actor uses this process's CKVAL_HOME and
+    this process's signing key (its reporters sign with it)."""
+    from validation_service.signing import secret_key
+
+    settings = settings.model_copy(update={k: v for k, v in update.items() if v is not None})
+    ensure_ray(settings)
+    return settings.model_copy(
+        update={
+            "database_url": settings.resolved_database_url(),
+            "storage": settings.resolved_storage(),
+            "secret_key": secret_key(settings),
+        }
+    )
+
+
+def _with_secrets_of(running: Settings, settings: Settings) -> Settings:
+    """The running service's settings, with this process's secrets for the same database."""
+    secrets_here = {
+        name: getattr(settings, name)
+        for name in ("database_url", "storage_options", "sinks", *SECRET_FIELDS)
+        if name in Settings.model_fields
+    }
+    if has_secret(settings.storage):
+        secrets_here["storage"] = settings.storage
+    return running.model_copy(update=secrets_here)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import json
 import logging
 import os
 import secrets
@@ -17,6 +18,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from validation_service._home import make_private_folders
 from validation_service.errors import InvalidInput, PayloadSignatureError
 
 if TYPE_CHECKING:
@@ -25,15 +27,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # A signed payload is PREFIX + 32-byte MAC + the cloudpickled bytes: the signature travels
-# in the same column as the payload, so no schema change was needed. The version in the
-# prefix leaves room for another scheme later.
-PREFIX = b"ckv1:"
+# in the same column as the payload, so no schema change was needed. The MAC covers the
+# payload's kind, the job it is bound to (job_binding) and the bytes. "ckv1:" payloads
+# (not bound to a job, from an older ckval) are refused.
+PREFIX = b"ckv2:"
+_UNBOUND_PREFIX = b"ckv1:"
 MAC_SIZE = hashlib.sha256().digest_size
 KEY_FILE = "secret_key"
 
 VALIDATE_FN = "validate_fn"
 VALIDATE_CONFIG = "validate_config"
-_KINDS = (VALIDATE_FN, VALIDATE_CONFIG)
+# A SYNC report's record in storage (trainer_integration/_journal.py), bound to its run.
+REPORT_RECORD = "report_record"
+_KINDS = (VALIDATE_FN, VALIDATE_CONFIG, REPORT_RECORD)
 
 _warned_shared = False
 
@@ -60,15 +66,26 @@ class PayloadTrust:
         hidden = f"<{len(self.keys)} hidden>"
         return f"PayloadTrust(keys={hidden}, allowed_modules={self.allowed_modules})"
 
-    def sign(self, kind: str, data: bytes) -> bytes:
-        """``data`` with its signature in front; signed data is returned unchanged."""
-        if is_signed(data):
+    def sign(self, kind: str, data: bytes | None, *, bound_to: bytes) -> bytes | None:
+        """``data`` with its signature in front, valid only for the job ``bound_to``
+        (job_binding) names; signed data and None are returned unchanged."""
+        if data is None or is_signed(data):
             return data
-        return PREFIX + _mac(self.keys[0], kind, data) + data
+        return PREFIX + _mac(self.keys[0], kind, bound_to, data) + data
 
-    def verify(self, kind: str, signed: bytes, *, job_id: int | None = None) -> bytes:
+    def verify(
+        self, kind: str, signed: bytes, *, bound_to: bytes, job_id: int | None = None
+    ) -> bytes:
         """The payload bytes, once the signature in front of them verifies with one of the
-        keys; raises PayloadSignatureError otherwise (nothing is unpickled)."""
+        keys for the job ``bound_to`` names; raises PayloadSignatureError otherwise
+        (nothing is unpickled). A payload copied from another job's row never verifies."""
+        if signed.startswith(_UNBOUND_PREFIX):
+            raise PayloadSignatureError(
+                job_id,
+                kind,
+                "it was signed by an older ckval without binding it to its job; report the "
+                "checkpoint again",
+            )
         if not is_signed(signed):
             raise PayloadSignatureError(
                 job_id,
@@ -79,20 +96,33 @@ class PayloadTrust:
         mac = signed[len(PREFIX) : len(PREFIX) + MAC_SIZE]
         data = signed[len(PREFIX) + MAC_SIZE :]
         for key in self.keys:
-            if hmac.compare_digest(mac, _mac(key, kind, data)):
+            if hmac.compare_digest(mac, _mac(key, kind, bound_to, data)):
                 return data
-        raise PayloadSignatureError(job_id, kind, "no configured key produced its signature")
+        raise PayloadSignatureError(
+            job_id,
+            kind,
+            "no configured key produced its signature for this job: it was signed for "
+            "another job, or with another key",
+        )
 
 
 def is_signed(data: bytes) -> bool:
     return data.startswith(PREFIX) and len(data) >= len(PREFIX) + MAC_SIZE
 
 
-def _mac(key: bytes, kind: str, data: bytes) -> bytes:
+def job_binding(namespace: str, run: str, report_index: int, uri: str) -> bytes:
+    """What a job's payloads are bound to: its checkpoint (namespace, run, report index,
+    URI), known to the reporter before the job is stored and to every attempt."""
+    return json.dumps([namespace, run, report_index, uri]).encode()
+
+
+def _mac(key: bytes, kind: str, bound_to: bytes, data: bytes) -> bytes:
     if kind not in _KINDS:
         raise ValueError(f"unknown payload kind {kind!r}")
-    # Domain separation: a signed validate_config is never valid as a validate_fn.
-    message = b"ckval-payload\x00" + kind.encode() + b"\x00" + data
+    # Domain separation: a signed validate_config is never valid as a validate_fn, and a
+    # payload signed for one job is never valid for another.
+    binding = len(bound_to).to_bytes(8, "big") + bound_to
+    message = b"ckval-payload\x00" + kind.encode() + b"\x00" + binding + data
     return hmac.new(key, message, hashlib.sha256).digest()
 
 
@@ -130,7 +160,7 @@ def key_file(home: Path) -> str:
         return _read_key(path)
     except FileNotFoundError:
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_folders(path.parent)  # a fresh CKVAL_HOME is 0700 from the start
     draft = path.with_name(f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
     fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:

@@ -1,95 +1,60 @@
 """Checkpoint storage over fsspec: upload with a manifest (sizes, sha256), verify, download.
 
-Every path it writes, reads or deletes is checked to lie inside the storage root first,
-after resolving (symlinks for a local root, ``..`` for any root); manifest entries are
-plain relative paths, checked when written and when read.
+Every path it writes or deletes is checked to lie inside the storage root first, after
+resolving (symlinks for a local root, ``..`` for any root); it deletes only inside a run's
+own folder. A checkpoint registered in place (NO_UPLOAD) lies in its run's folder or
+outside the root altogether. Manifest entries are plain relative paths, checked when
+written and when read. Local folders and files are created owner-only (0700, 0600).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import posixpath
 import shutil
 import tempfile
 import uuid
-from pathlib import Path
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from validation_service._home import create_private_file, make_private_folders
 from validation_service.errors import (
     CheckpointCorrupt,
     CheckpointExists,
     CheckpointNotFound,
     InvalidInput,
 )
+from validation_service.manifest import (
+    MANIFEST_NAME,
+    CheckpointFolder,
+    Manifest,
+    StagedCheckpoint,
+    _copy_hashing,
+    _local_tree,
+    _parents,
+    _UnsafeFolder,
+    manifest_entry_problem,
+    scan_folder,
+)
 from validation_service.names import check_name
+from validation_service.secrets import mask_url
 
-MANIFEST_NAME = ".ckval-manifest.json"
-_CHUNK = 4 * 1024 * 1024
+# A copy being made in a run's folder (storage.stage): never a checkpoint of its own.
+STAGING_PREFIX = ".staging-"
 
 
 @dataclasses.dataclass(frozen=True)
 class PersistedCheckpoint:
+    """A checkpoint as stored: where, how many bytes, and the SHA-256 of its manifest
+    (each file's path, size and digest), which the registry keeps to detect damage."""
+
     uri: str
     size_bytes: int
     manifest_sha256: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Manifest:
-    files: dict[str, dict[str, Any]]
-
-    @property
-    def total_size(self) -> int:
-        return sum(entry["size"] for entry in self.files.values())
-
-    def to_bytes(self) -> bytes:
-        body = {"version": 1, "files": self.files, "total_size": self.total_size}
-        return json.dumps(body, sort_keys=True, indent=1).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> Manifest:
-        """The manifest in ``data``; raises ValueError naming what is wrong with it."""
-        try:
-            files = json.loads(data)["files"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"its manifest is not a ckval manifest ({exc})") from None
-        if not isinstance(files, dict):
-            raise ValueError("its manifest's 'files' is not a mapping")
-        for rel, entry in files.items():
-            problem = manifest_entry_problem(rel)
-            if problem is not None:
-                raise ValueError(f"its manifest lists {rel!r}, {problem}")
-            if not (
-                isinstance(entry, dict)
-                and isinstance(entry.get("size"), int)
-                and isinstance(entry.get("sha256"), str)
-            ):
-                raise ValueError(f"its manifest's entry for {rel!r} has no size and sha256")
-        return cls(files=files)
-
-
-def manifest_entry_problem(rel: object) -> str | None:
-    """Why ``rel`` cannot be a manifest entry, or None if it can.
-
-    An entry is a relative posix path that stays inside the checkpoint folder: no
-    leading '/', no '..', '.' or empty segments, no NUL. Checked on writing a manifest
-    and on reading one, so that a manifest can never make a download write elsewhere.
-    """
-    if not isinstance(rel, str) or not rel:
-        return "which is not a file name"
-    if rel.startswith("/") or (len(rel) > 1 and rel[1] == ":"):
-        return "an absolute path"
-    if "\x00" in rel:
-        return "which contains NUL"
-    if any(part in ("", ".", "..") for part in rel.split("/")):
-        return "which has a '..', '.' or empty segment"
-    return None
 
 
 def _filesystem(uri: str, storage_options: dict[str, Any] | None = None):
@@ -98,7 +63,7 @@ def _filesystem(uri: str, storage_options: dict[str, Any] | None = None):
     except (ValueError, ImportError) as exc:
         scheme = uri.split("://", 1)[0] if "://" in uri else "file"
         raise InvalidInput(
-            f"Unsupported storage URI {uri!r} (scheme {scheme!r}): {exc}. Use a local "
+            f"Unsupported storage URI {mask_url(uri)!r} (scheme {scheme!r}): {exc}. Use a local "
             "path, s3://bucket/prefix, or another URI of an installed fsspec filesystem."
         ) from None
 
@@ -119,7 +84,7 @@ class CheckpointStorage:
         return isinstance(self.fs, LocalFileSystem)
 
     def __repr__(self) -> str:
-        return f"CheckpointStorage({self.root_uri!r})"
+        return f"CheckpointStorage({mask_url(self.root_uri)!r})"
 
     # ------------------------------------------------------------------ paths
     def checkpoint_path(
@@ -132,17 +97,43 @@ class CheckpointStorage:
         Raises InvalidInput for a namespace or run name that is no plain folder name
         (names.check_name), before anything is written.
         """
-        check_name("namespace", namespace)
-        check_name("run name", run)
+        folder = self.run_folder(namespace, run)
         if not isinstance(report_index, int) or isinstance(report_index, bool) or report_index < 0:
             raise InvalidInput(f"report index must be an int >= 0, got {report_index!r}")
         if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 1:
             raise InvalidInput(f"run attempt must be an int >= 1, got {attempt!r}")
-        folder = posixpath.join(self.root, namespace, run)
         if attempt > 1:
             folder = posixpath.join(folder, f"attempt-{attempt}")
         path = posixpath.join(folder, f"checkpoint_{report_index:06d}")
         return self._inside_root(path, path)
+
+    def run_folder(self, namespace: str, run: str) -> str:
+        """``<root>/<namespace>/<run>``: the folder of every checkpoint of the run."""
+        return posixpath.join(
+            self.root, check_name("namespace", namespace), check_name("run name", run)
+        )
+
+    def in_run_folder(self, uri: str, namespace: str, run: str) -> bool:
+        """Whether ``uri`` lies strictly inside the run's folder, as given and (local)
+        after resolving symlinks."""
+        try:
+            path = self.path_of(uri)
+        except InvalidInput:
+            return False
+        folder = self.run_folder(namespace, run)
+        real = [(os.path.realpath(path), os.path.realpath(folder))] if self.is_local else []
+        return all(inner.startswith(outer + "/") for inner, outer in [(path, folder), *real])
+
+    def in_root(self, uri: str) -> bool:
+        """Whether ``uri`` names the root or a path under it, as given or (local) resolved."""
+        fs, path = _filesystem(uri, self.storage_options)
+        if type(fs) is not type(self.fs):
+            return False
+        if not self.is_local:
+            return _under(posixpath.normpath(path), self.root)
+        given = os.path.abspath(os.path.expanduser(path))
+        real_root = os.path.realpath(self.root)
+        return _under(given, self.root) or _under(os.path.realpath(given), real_root)
 
     def uri_for(self, path: str) -> str:
         return path if self.is_local else self.fs.unstrip_protocol(path)
@@ -157,6 +148,15 @@ class CheckpointStorage:
                 "let ckval upload it."
             )
         return self._inside_root(path, uri)
+
+    def readable_path(self, uri: str) -> str:
+        """The path of a checkpoint to read: inside the root (checked as path_of does),
+        or outside it altogether, where a NO_UPLOAD checkpoint is registered in place."""
+        fs, path = _filesystem(uri, self.storage_options)
+        remote_dots = not self.is_local and ".." in path.split("/")
+        if self.in_root(uri) or type(fs) is not type(self.fs) or remote_dots:
+            return self.path_of(uri)  # raises for a path that leads out of the root
+        return os.path.abspath(os.path.expanduser(path)) if self.is_local else path
 
     def _inside_root(self, path: str, shown: str) -> str:
         """``path`` normalised, if it lies strictly inside the root; raises InvalidInput if not.
@@ -183,25 +183,8 @@ class CheckpointStorage:
 
     # ----------------------------------------------------------------- upload
     def scan(self, local_dir: str | os.PathLike) -> CheckpointFolder:
-        """The files of a local checkpoint folder, as upload() will copy them.
-
-        Lists only (reads no file): call it before anything is reserved or written, so
-        that a folder that cannot be stored is refused first. Symlinks that stay inside
-        the folder are followed (their content is copied as regular files); a symlink
-        that leads out of it, that dangles, or that loops back is refused.
-        """
-        source = Path(local_dir)
-        if not source.is_dir():
-            raise CheckpointNotFound(str(source), "the reported checkpoint is not a directory")
-        try:
-            files = _local_files(str(source))
-        except _UnsafeFolder as exc:
-            raise InvalidInput(
-                f"Checkpoint folder {str(source)!r} cannot be stored: {exc}. Nothing was "
-                "stored. Copy the linked files into the folder (or save them there), then "
-                "report it again."
-            ) from None
-        return CheckpointFolder(str(source), tuple(files))
+        """The files of a local checkpoint folder, as upload() will copy them (scan_folder)."""
+        return scan_folder(local_dir)
 
     def upload(
         self,
@@ -217,45 +200,90 @@ class CheckpointStorage:
         Never overwrites: a folder already at the destination raises CheckpointExists.
         """
         dest = self.checkpoint_path(namespace, run, report_index, attempt=attempt)
-        folder = local_dir if isinstance(local_dir, CheckpointFolder) else self.scan(local_dir)
-        files: dict[str, dict[str, Any]] = {}
+        folder = local_dir if isinstance(local_dir, CheckpointFolder) else scan_folder(local_dir)
         if self.is_local:
             if os.path.lexists(dest):
                 raise CheckpointExists(dest)
-            # Write beside the destination, then rename: a crash never leaves a half copy.
-            parent = os.path.dirname(dest)
-            os.makedirs(parent, exist_ok=True)
-            staging = os.path.join(parent, f".staging-{uuid.uuid4().hex}")
+            staged = self.stage(folder, namespace, run)
             try:
-                os.mkdir(staging)  # an empty checkpoint folder is still a checkpoint
-                for rel, src in folder.files:
-                    target = os.path.join(staging, rel)
-                    os.makedirs(os.path.dirname(target), exist_ok=True)
-                    with open(src, "rb") as fin, open(target, "xb") as fout:
-                        files[rel] = _copy_hashing(fin, fout)
-                manifest = self._write_manifest(staging, files)
-                if os.path.lexists(dest):
-                    raise CheckpointExists(dest)
-                os.rename(staging, dest)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-        else:
-            if self.fs.exists(dest):
-                raise CheckpointExists(self.uri_for(dest))
-            for rel, src in folder.files:
-                with open(src, "rb") as fin, self.fs.open(posixpath.join(dest, rel), "wb") as fout:
-                    files[rel] = _copy_hashing(fin, fout)
-            # The manifest goes last: its presence marks a complete upload.
-            manifest = self._write_manifest(dest, files)
-        return self._persisted(dest, files, manifest)
+                return self.commit(staged, namespace, run, report_index, attempt)
+            except BaseException:
+                self.discard(staged)
+                raise
+        if self.fs.exists(dest):
+            raise CheckpointExists(self.uri_for(dest))
+        files: dict[str, dict[str, Any]] = {}
+        for rel, src in folder.files:
+            with open(src, "rb") as fin, self.fs.open(posixpath.join(dest, rel), "wb") as fout:
+                files[rel] = _copy_hashing(fin, fout)
+        # The manifest goes last: its presence marks a complete upload.
+        manifest = self._write_manifest(dest, files)
+        return self.persisted(dest, files, manifest)
 
-    def adopt(self, uri: str) -> PersistedCheckpoint:
-        """Registers a checkpoint already in storage (NO_UPLOAD): writes its manifest in place."""
-        path = self.path_of(uri)
+    def stage(self, folder: CheckpointFolder, namespace: str, run: str) -> StagedCheckpoint:
+        """Copies a scanned local folder into the run's folder under a staging name,
+        hashing as it copies, before its report index is known (local storage only).
+
+        commit() renames it to its index's folder: a crash never leaves a half copy there.
+        """
+        if not self.is_local:
+            raise InvalidInput(f"staging needs local storage, not {self.root_uri!r}")
+        run_dir = self._inside_root(self.run_folder(namespace, run), run)
+        make_private_folders(run_dir)
+        staging = os.path.join(run_dir, f"{STAGING_PREFIX}{uuid.uuid4().hex}")
+        files: dict[str, dict[str, Any]] = {}
+        try:
+            os.mkdir(staging, 0o700)  # an empty checkpoint folder is still a checkpoint
+            for rel in folder.folders:
+                make_private_folders(os.path.join(staging, rel))
+            for rel, src in folder.files:
+                target = os.path.join(staging, rel)
+                make_private_folders(os.path.dirname(target))
+                with open(src, "rb") as fin, create_private_file(target) as fout:
+                    files[rel] = _copy_hashing(fin, fout)
+            manifest = self._write_manifest(staging, files, folder.folders)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return StagedCheckpoint(staging, files, manifest)
+
+    def commit(
+        self, staged: StagedCheckpoint, namespace: str, run: str, report_index: int, attempt: int
+    ) -> PersistedCheckpoint:
+        """Moves a staged copy to its report index's folder; never over an existing one
+        (CheckpointExists, the staged copy left where it is)."""
+        dest = self.checkpoint_path(namespace, run, report_index, attempt=attempt)
+        if os.path.lexists(dest):
+            raise CheckpointExists(dest)
+        make_private_folders(os.path.dirname(dest))
+        os.rename(staged.path, dest)
+        return self.persisted(dest, staged.files, staged.manifest)
+
+    def discard(self, staged: StagedCheckpoint) -> None:
+        """Removes a staged copy that will not be committed."""
+        shutil.rmtree(staged.path, ignore_errors=True)
+
+    def adopt(self, uri: str, namespace: str, run: str) -> PersistedCheckpoint:
+        """Registers a checkpoint where it is (NO_UPLOAD): writes its manifest in place.
+
+        Under the storage root it must lie inside the reporter's own run folder
+        (``<root>/<namespace>/<run>/...``): any other folder there is another run's (or
+        another namespace's) to keep and delete. Outside the root it is registered where
+        it is, and retention never deletes its files.
+        """
+        path = self.readable_path(uri)
+        if self.in_root(uri) and not self.in_run_folder(uri, namespace, run):
+            raise InvalidInput(
+                f"Checkpoint {uri!r} lies in ckval's storage root {self.root_uri!r} but not "
+                f"inside the folder of run {run!r} of namespace {namespace!r} "
+                f"({self.run_folder(namespace, run)}/). A NO_UPLOAD checkpoint lies in its "
+                "own run's folder, or outside the storage root (registered where it is and "
+                "never deleted by retention). Nothing was written."
+            )
         if not self.fs.isdir(path):
             raise CheckpointNotFound(uri, "no directory there")
         try:
-            present = self._stored_files(path)
+            present, folders = self._stored_tree(path)
         except _UnsafeFolder as exc:
             raise InvalidInput(
                 f"Checkpoint {uri!r} cannot be registered in place: {exc}. Nothing was "
@@ -265,29 +293,38 @@ class CheckpointStorage:
         for rel, full in present.items():
             with self._open_stored(full) as f:
                 files[rel] = _copy_hashing(f, None)
-        return self._persisted(path, files, self._write_manifest(path, files))
+        return self.persisted(path, files, self._write_manifest(path, files, folders, True))
 
-    def _write_manifest(self, directory: str, files: dict[str, dict[str, Any]]) -> bytes:
-        for rel in files:
+    def _write_manifest(self, directory: str, files: dict, folders=(), replace=False) -> bytes:
+        """Writes the manifest (``replace``: over one written in place before)."""
+        for rel in [*files, *folders]:
             problem = manifest_entry_problem(rel)
             if problem is not None:
                 raise InvalidInput(
                     f"Checkpoint file {rel!r} cannot be listed in a manifest: {problem}. "
                     "Rename it; nothing was registered."
                 )
-        manifest = Manifest(files).to_bytes()
-        with self.fs.open(posixpath.join(directory, MANIFEST_NAME), "wb") as f:
+        manifest = Manifest(files, tuple(folders)).to_bytes()
+        target = posixpath.join(directory, MANIFEST_NAME)
+        if not self.is_local:
+            with self.fs.open(target, "wb") as f:
+                f.write(manifest)
+            return manifest
+        if replace and os.path.lexists(target):
+            os.unlink(target)  # a manifest written in place before: never written through
+        with create_private_file(target) as f:
             f.write(manifest)
         return manifest
 
-    def _persisted(self, path: str, files: dict, manifest: bytes) -> PersistedCheckpoint:
+    def persisted(self, path: str, files: dict, manifest: bytes) -> PersistedCheckpoint:
+        """The record of a checkpoint stored at ``path`` with these files and manifest."""
         digest = hashlib.sha256(manifest).hexdigest()
         return PersistedCheckpoint(self.uri_for(path), Manifest(files).total_size, digest)
 
     # ----------------------------------------------------------------- verify
     def read_manifest(self, uri: str, manifest_sha256: str | None) -> Manifest:
         """The checkpoint's manifest, checked against its sha256 and for unsafe entries."""
-        path = self.path_of(uri)
+        path = self.readable_path(uri)
         manifest_path = posixpath.join(path, MANIFEST_NAME)
         try:
             with self.fs.open(manifest_path, "rb") as f:
@@ -304,13 +341,14 @@ class CheckpointStorage:
             raise CheckpointCorrupt(uri, f"{exc}; nothing was read or written") from None
 
     def verify(self, uri: str, manifest_sha256: str | None) -> Manifest:
-        """Checks the folder holds exactly the manifest's files, each of its size and sha256.
+        """Checks the folder holds exactly the manifest's files (and empty folders), each
+        file of its size and sha256.
 
         Raises CheckpointNotFound when files are missing and nothing else is wrong, and
         CheckpointCorrupt when files were added or changed; both name every such file.
         """
         manifest = self.read_manifest(uri, manifest_sha256)
-        self._compare(uri, self.path_of(uri), manifest, None)
+        self._compare(uri, self.readable_path(uri), manifest, None)
         return manifest
 
     def materialize(self, uri: str, manifest_sha256: str | None, workdir: str) -> str:
@@ -321,9 +359,9 @@ class CheckpointStorage:
         """
         if self.is_local:
             self.verify(uri, manifest_sha256)
-            return self.path_of(uri)
+            return self.readable_path(uri)
         manifest = self.read_manifest(uri, manifest_sha256)
-        path = self.path_of(uri)
+        path = self.readable_path(uri)
         target_root = tempfile.mkdtemp(prefix="ckpt-", dir=workdir)
         try:
             self._compare(uri, path, manifest, target_root)
@@ -336,11 +374,16 @@ class CheckpointStorage:
         """Compares the stored folder with its manifest, copying each file into
         ``target_root`` (a download) if given; raises naming every difference."""
         try:
-            present = self._stored_files(path)
+            present, folders = self._stored_tree(path)
         except _UnsafeFolder as exc:
             raise CheckpointCorrupt(uri, str(exc)) from None
-        missing = sorted(set(manifest.files) - set(present))
+        # An empty folder counts as a file would: one that was no folder of the
+        # checkpoint is added, a listed one that is gone is missing.
+        known_folders = set(manifest.folders) | _parents(manifest.files)
+        gone = set(manifest.folders) - set(folders) - _parents(present)
+        missing = sorted(set(manifest.files) - set(present)) + [f"{r}/" for r in sorted(gone)]
         extra = sorted(set(present) - set(manifest.files))
+        extra += [f"{rel}/" for rel in sorted(set(folders) - known_folders)]
         changed: list[str] = []
         if not (missing or extra):  # otherwise it fails anyway: read nothing
             for rel, expected in sorted(manifest.files.items()):
@@ -373,21 +416,31 @@ class CheckpointStorage:
             raise CheckpointNotFound(uri, problems[0])
         raise CheckpointCorrupt(uri, "; ".join(problems))
 
-    def delete(self, uri: str) -> None:
+    def delete(self, uri: str, *, namespace: str, run: str) -> None:
+        """Removes a checkpoint's folder, which must lie inside its own run's folder
+        (``<root>/<namespace>/<run>/``); raises InvalidInput, deleting nothing, otherwise."""
         path = self.path_of(uri)
+        if not self.in_run_folder(uri, namespace, run):
+            raise InvalidInput(
+                f"Checkpoint {uri!r} is not inside the folder of run {run!r} of namespace "
+                f"{namespace!r} ({self.run_folder(namespace, run)}/): ckval deletes nothing "
+                "outside a checkpoint's own run. Nothing was deleted."
+            )
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
 
-    def _stored_files(self, path: str) -> dict[str, str]:
-        """Relative path -> full path of every file of a stored folder but its manifest.
+    def _stored_tree(self, path: str) -> tuple[dict[str, str], list[str]]:
+        """Relative path -> full path of every file of a stored folder but its manifest,
+        and its empty folders (local storage only: object stores have no folders).
 
         Raises _UnsafeFolder for a local symlink that leads out of the folder, and for a
         remote key that is no plain relative path.
         """
         if self.is_local:
-            return dict(_local_files(path))
+            files, folders = _local_tree(path)
+            return dict(files), folders
         self.fs.invalidate_cache(path)  # an extra file added since the last listing counts
-        files = {}
+        found = {}
         prefix = path.rstrip("/") + "/"
         for full in sorted(self.fs.find(path)):
             rel = full[len(prefix) :] if full.startswith(prefix) else full
@@ -395,65 +448,16 @@ class CheckpointStorage:
             if problem is not None:
                 raise _UnsafeFolder(f"it holds the key {full!r}, {problem}")
             if rel != MANIFEST_NAME:
-                files[rel] = full
-        return files
+                found[rel] = full
+        return found, []
 
     def _open_stored(self, full: str):
         # Local files are opened as found (symlinks inside the folder already resolved).
         return open(full, "rb") if self.is_local else self.fs.open(full, "rb")
 
 
-@dataclasses.dataclass(frozen=True)
-class CheckpointFolder:
-    """A local checkpoint folder as scanned: (relative path, file to read) for each file."""
-
-    path: str
-    files: tuple[tuple[str, str], ...]
-
-
-class _UnsafeFolder(Exception):
-    """A checkpoint folder that cannot be copied or trusted as it is (message: why)."""
-
-
-def _local_files(folder: str) -> list[tuple[str, str]]:
-    """(relative posix path, real path) of every file under a local folder, sorted.
-
-    Symlinks are followed, to files and to folders, as long as their target lies inside
-    the folder: the copy holds their content as regular files. A symlink that leads out
-    of the folder, dangles, or points back at a folder it is in (a cycle), and anything
-    that is neither a file nor a folder, raises _UnsafeFolder: never silently left out.
-    """
-    root = os.path.realpath(folder)
-    found: list[tuple[str, str]] = []
-    pending = [(root, "", frozenset({root}))]  # (real folder, its relative path/, ancestors)
-    while pending:
-        directory, prefix, ancestors = pending.pop()
-        with os.scandir(directory) as entries:
-            names = sorted(entry.name for entry in entries)
-        for name in names:
-            rel = prefix + name
-            if rel == MANIFEST_NAME:
-                continue
-            full = os.path.join(directory, name)
-            target = os.path.realpath(full)
-            if os.path.islink(full):
-                if target != root and not target.startswith(root + os.sep):
-                    raise _UnsafeFolder(
-                        f"{rel!r} is a symlink to {target}, outside the checkpoint folder"
-                    )
-                if not os.path.exists(target):
-                    raise _UnsafeFolder(f"{rel!r} is a symlink to {target}, which does not exist")
-            if os.path.isdir(target):
-                if target in ancestors:
-                    raise _UnsafeFolder(
-                        f"{rel!r} is a symlink to a folder that contains it ({target}): a cycle"
-                    )
-                pending.append((target, rel + "/", ancestors | {target}))
-            elif os.path.isfile(target):
-                found.append((rel, target))
-            else:
-                raise _UnsafeFolder(f"{rel!r} is neither a regular file nor a folder")
-    return sorted(found)
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
 def _open_download(target_root: str, rel: str):
@@ -462,24 +466,13 @@ def _open_download(target_root: str, rel: str):
     # Entries were checked when the manifest was read; resolving again costs nothing.
     if not os.path.realpath(target).startswith(os.path.realpath(target_root) + os.sep):
         raise InvalidInput(f"manifest entry {rel!r} would be written outside {target_root}")
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    return open(target, "xb")
+    make_private_folders(os.path.dirname(target))
+    return create_private_file(target)
 
 
 def _listed(names: list[str], limit: int = 20) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
-
-
-def _copy_hashing(fin, fout) -> dict[str, Any]:
-    digest = hashlib.sha256()
-    size = 0
-    while chunk := fin.read(_CHUNK):
-        digest.update(chunk)
-        size += len(chunk)
-        if fout is not None:
-            fout.write(chunk)
-    return {"size": size, "sha256": digest.hexdigest()}
 
 
 def ray_checkpoint(uri: str, storage_options: dict[str, Any] | None = None):

@@ -139,6 +139,7 @@ def check_request(request: Any) -> None:
     check_timeout_s(request.timeout_s)
     check_max_attempts(request.max_attempts)
     check_resources(request.resources)
+    check_flag("retry_on_timeout", request.retry_on_timeout)
     if not isinstance(request.pool, str) or len(request.pool) > MAX_POOL_NAME:
         raise InvalidInput(
             f"the validation's pool name must be a str of at most {MAX_POOL_NAME} characters, "
@@ -146,6 +147,27 @@ def check_request(request: Any) -> None:
         )
     if request.coalesce not in (None, "latest"):
         raise InvalidInput(f"coalesce must be None or 'latest', got {request.coalesce!r}")
+
+
+def check_checkpoint(checkpoint: Any) -> None:
+    """None, or a ray.train.Checkpoint (anything with its path, filesystem and
+    to_directory()): a path string or a dict is refused, naming what to pass."""
+    if checkpoint is None or all(
+        hasattr(checkpoint, name) for name in ("path", "filesystem", "to_directory")
+    ):
+        return
+    raise InvalidInput(
+        "checkpoint must be a ray.train.Checkpoint or None, got "
+        f"{type(checkpoint).__name__} {_preview(checkpoint)}; for a folder pass "
+        "ray.train.Checkpoint.from_directory(path)."
+    )
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """True or False, nothing that merely reads as one ("no" is not False)."""
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be True or False, got {_preview(value)}")
+    return value
 
 
 def check_step_and_epoch(metrics: dict[str, Any]) -> None:

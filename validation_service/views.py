@@ -1,4 +1,5 @@
-"""What the CLI and the HTTP API share: records as JSON, and waking the running service."""
+"""What the CLI, the HTTP API and the dashboard share: records as JSON (one view of each
+record, the API's documented field names), and waking the running service."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ from validation_service.registry.records import (
     AttemptRecord,
     CheckpointRecord,
     JobRecord,
+    RunRecord,
     RunSummary,
+    StopDecision,
 )
+from validation_service.secrets import mask_url, mask_value
 
 if TYPE_CHECKING:
     from validation_service.config import Settings
+    from validation_service.stopping import StopPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +60,46 @@ def _pick(record: Any, fields: str, **renamed: str) -> dict[str, Any]:
     return picked
 
 
+def run_record_json(run: RunRecord) -> dict[str, Any]:
+    return {
+        **_pick(run, "id name namespace status created_at"),
+        # A tag recorded by an older ckval may hold a tracker's credentials: never served.
+        "storage_root": mask_url(run.storage_root),
+        "tags": mask_value(run.tags),
+    }
+
+
 def run_json(summary: RunSummary) -> dict[str, Any]:
     counts = summary.job_counts
     return {
-        **_pick(summary.run, "id name namespace status created_at storage_root tags"),
+        **run_record_json(summary.run),
         "checkpoints": summary.checkpoints,
         "jobs": {status.value: counts.get(status.value, 0) for status in JobStatus},
+        "stop_decision": stop_decision_json(summary.stop),
+    }
+
+
+def stop_policy_json(policy: StopPolicy | None) -> dict[str, Any] | None:
+    """A StopPolicy's fields, and the one line that describes it."""
+    if policy is None:
+        return None
+    return {**policy.to_dict(), "description": policy.describe()}
+
+
+def stop_decision_json(decision: StopDecision | None) -> dict[str, Any] | None:
+    """A stop decision: the rule, the checkpoint and values that decided, the policy of
+    the moment, the checkpoints passed over, and the override (``stopped`` false)."""
+    if decision is None:
+        return None
+    return {
+        **_pick(
+            decision,
+            "run attempt round rule reason report_index reference decided_at overridden_at "
+            "resumed_after_index stopped",
+        ),
+        "values": [{"report_index": i, "value": value} for i, value in decision.values],
+        "skipped": [{"report_index": i, "why": why} for i, why in decision.skipped],
+        "policy": stop_policy_json(decision.policy),
     }
 
 
@@ -70,6 +109,17 @@ def checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
         "id run report_index step epoch uri size_bytes manifest_sha256 validation_status "
         "metrics reported_metrics validated_metrics created_at",
     )
+
+
+def labelled_checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
+    """``checkpoint_json`` with the checkpoint's aliases and tags, and when it was deleted:
+    the registry commands, the registry routes and the dashboard show these."""
+    return {
+        **checkpoint_json(record),
+        "aliases": list(record.aliases),
+        "tags": record.tags,
+        "deleted_at": iso(record.deleted_at),
+    }
 
 
 def attempt_json(attempt: AttemptRecord) -> dict[str, Any]:

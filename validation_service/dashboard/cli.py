@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import click
 
+from validation_service._format import echo
+
 
 @click.command("ui")
 @click.option("--host", default=None, help="Address to listen on (default: CKVAL_HTTP_HOST).")
@@ -23,8 +25,11 @@ def ui_command(ctx: click.Context, host: str | None, port: int | None) -> None:
     from validation_service.registry.registry import Registry
 
     obj = ctx.find_root().obj or {}
-    settings = get_settings(database_url=obj.get("database_url"), namespace=obj.get("namespace"))
-    host = host or settings.http_host
+    # The address served is a Host the API answers (allowed_hosts reads http_host).
+    settings = get_settings(
+        database_url=obj.get("database_url"), namespace=obj.get("namespace"), http_host=host
+    )
+    host = settings.http_host
     port = settings.http_port if port is None else port
     if not 0 < port < 65536:
         raise click.BadParameter(f"{port} is not a TCP port: use 1-65535", param_hint="--port")
@@ -34,7 +39,7 @@ def ui_command(ctx: click.Context, host: str | None, port: int | None) -> None:
         registry = Registry(settings=settings)
     except CkvalError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"ckval dashboard on http://{host}:{port}/ui/ over {registry.display_url}")
+    echo(f"ckval dashboard on http://{host}:{port}/ui/ over {registry.display_url}")
     try:
         uvicorn.run(create_app(settings, registry), host=host, port=port, log_level="warning")
     finally:

@@ -13,11 +13,10 @@ from urllib.parse import quote
 
 from validation_service.errors import InvalidInput
 from validation_service.jobs import JobStatus
-from validation_service.metrics import encode_non_finite
-from validation_service.registry.records import CheckpointRecord, JobRecord, RunRecord
+from validation_service.registry.records import CheckpointRecord
 from validation_service.registry.registry import Registry
 from validation_service.registry.stats import Mode, RunPage, default_mode
-from validation_service.views import iso
+from validation_service.views import iso, job_json, labelled_checkpoint_json, run_record_json
 
 # More runs than this in one plot is unreadable; the page says so instead of drawing it.
 MAX_COMPARED_RUNS = 20
@@ -63,17 +62,17 @@ def runs_json(page: RunPage, base: str) -> dict[str, Any]:
 
 def run_json(registry: Registry, run: str, base: str) -> dict[str, Any]:
     """One run: its record, a series per metric, its checkpoints and its jobs."""
-    record = registry.run_record(run)
+    record = registry.dashboard.run_record(run)
     checkpoints = registry.checkpoints(run)
-    jobs = registry.run_jobs(run)
+    jobs = registry.dashboard.run_jobs(run)
     return {
-        "run": _run_fields(record),
+        "run": run_record_json(record),
         "url": run_url(base, run),
         "active_jobs": sum(1 for job in jobs if job.status in _ACTIVE),
         "now": now_iso(),  # running jobs' bars end here on the timeline
         "series": series_by_metric(checkpoints),
-        "checkpoints": [_checkpoint_fields(c) for c in checkpoints],
-        "jobs": [_job_fields(job) for job in jobs],
+        "checkpoints": [labelled_checkpoint_json(c) for c in checkpoints],
+        "jobs": [job_json(job) for job in jobs],
     }
 
 
@@ -111,7 +110,7 @@ def compare_json(
             "compare needs metric=NAME, the metric to plot for runs "
             f"{', '.join(runs)}; open a run's page to see the metrics it recorded."
         )
-    series = registry.metric_series(runs, metric)
+    series = registry.dashboard.metric_series(runs, metric)
     x = sorted({point.report_index for points in series.values() for point in points})
     position = {index: i for i, index in enumerate(x)}
     aligned: dict[str, list[float | None]] = {}
@@ -127,7 +126,7 @@ def compare_json(
         "urls": {run: run_url(base, run) for run in runs},
         "x": x,
         "series": aligned,
-        "active_jobs": registry.active_job_count(runs),
+        "active_jobs": registry.dashboard.active_job_count(runs),
     }
 
 
@@ -160,61 +159,6 @@ def _finite(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) else None
-
-
-def _run_fields(record: RunRecord) -> dict[str, Any]:
-    return {
-        "name": record.name,
-        "namespace": record.namespace,
-        "status": record.status,
-        "created_at": iso(record.created_at),
-        "storage_root": record.storage_root,
-        "tags": encode_non_finite(record.tags),
-    }
-
-
-def _checkpoint_fields(record: CheckpointRecord) -> dict[str, Any]:
-    return {
-        "report_index": record.report_index,
-        "step": record.step,
-        "epoch": record.epoch,
-        "validation_status": record.validation_status,
-        "metrics": encode_non_finite(record.metrics),
-        "aliases": list(record.aliases),
-        "tags": encode_non_finite(dict(record.tags)),
-        "size_bytes": record.size_bytes,
-        "uri": record.uri,
-        "created_at": iso(record.created_at),
-    }
-
-
-def _job_fields(job: JobRecord) -> dict[str, Any]:
-    return {
-        "id": job.id,
-        "report_index": job.report_index,
-        "pool": job.pool,
-        "status": job.status,
-        "attempts": job.attempts,
-        "max_attempts": job.max_attempts,
-        "validate_fn": job.validate_fn_name,
-        "queued_at": iso(job.created_at),
-        "started_at": iso(job.started_at),
-        "finished_at": iso(job.finished_at),
-        "error_type": job.error_type,
-        "error_message": job.error_message,
-        "error_traceback": job.error_traceback,
-        "attempt_history": [
-            {
-                "attempt": a.attempt,
-                "status": a.status,
-                "claimed_at": iso(a.claimed_at),
-                "started_at": iso(a.started_at),
-                "finished_at": iso(a.finished_at),
-                "node_id": a.node_id,
-            }
-            for a in job.attempt_history
-        ],
-    }
 
 
 def now_iso() -> str:

@@ -146,13 +146,13 @@ class RegistryCollector(Collector):
         now = utcnow()
         if self._cutoff is None:
             cutoff = now - self.overlap
-            totals = self.registry.job_time_totals(
+            totals = self.registry.dashboard.job_time_totals(
                 duration_bounds=DURATION_BUCKETS_S, latency_bounds=LATENCY_BUCKETS_S, until=cutoff
             )
             self.durations.add_totals(totals[0])
             self.latencies.add_totals(totals[1])
             self._cutoff = cutoff
-        snapshot = self.registry.metrics_snapshot(
+        snapshot = self.registry.dashboard.metrics_snapshot(
             grace_s=self.settings.lease_s, changed_since=self._cutoff
         )
         for job in snapshot.changed:

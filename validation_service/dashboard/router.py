@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from importlib import resources
 from typing import Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
@@ -15,12 +16,15 @@ from markupsafe import Markup
 from validation_service.config import Settings
 from validation_service.dashboard import data
 from validation_service.errors import CkvalError, InvalidInput, RunNotFound, UnknownMetric
+from validation_service.metrics import encode_non_finite
 from validation_service.registry.registry import Registry
 
 PREFIX = "/ui"
 # How many runs one page of the runs list shows, and the most a request may ask for.
 RUNS_PER_PAGE = 50
 MAX_RUNS_PER_PAGE = 500
+# The last page number whose offset a 64-bit integer holds (a larger one is a 422).
+MAX_PAGE = (2**63 - 1) // MAX_RUNS_PER_PAGE
 # Files served from static/ (nothing else: the name comes from the URL).
 STATIC_FILES = {
     "uPlot.iife.min.js": "text/javascript",
@@ -28,10 +32,22 @@ STATIC_FILES = {
     "LICENSE.uPlot": "text/plain",
     "dashboard.js": "text/javascript",
     "dashboard.css": "text/css",
+    "api-docs.js": "text/javascript",
 }
 _PAGE_STATUS = {RunNotFound: 404, UnknownMetric: 404, InvalidInput: 422}
 
 ModeParam = Literal["max", "min"] | None
+
+
+@dataclasses.dataclass
+class RunListing:
+    """The query parameters of the runs page and of its JSON: which page, and the metric
+    whose best value each run shows."""
+
+    page_number: int = Query(1, alias="page", ge=1, le=MAX_PAGE)
+    per_page: int = Query(RUNS_PER_PAGE, ge=1, le=MAX_RUNS_PER_PAGE)
+    metric: str | None = Query(None, max_length=255)
+    mode: ModeParam = None
 
 
 @functools.cache
@@ -46,12 +62,12 @@ def _templates() -> Environment:
 
 def _embedded(content: Any) -> Markup:
     """JSON to embed in a <script type="application/json">: no "</script>" can end it early."""
-    text = json.dumps(content, allow_nan=False, separators=(",", ":"))
+    text = json.dumps(encode_non_finite(content), allow_nan=False, separators=(",", ":"))
     return Markup(text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
 
 
 def _json(content: Any) -> JSONResponse:
-    return JSONResponse(content, headers={"Cache-Control": "no-store"})
+    return JSONResponse(encode_non_finite(content), headers={"Cache-Control": "no-store"})
 
 
 def dashboard_router(registry: Registry, settings: Settings) -> APIRouter:
@@ -59,61 +75,72 @@ def dashboard_router(registry: Registry, settings: Settings) -> APIRouter:
     JSON they refresh from under /ui/api/. Handlers are plain ``def``: registry calls block,
     so FastAPI runs them in its thread pool."""
     router = APIRouter(prefix=PREFIX, include_in_schema=False)
+    pages = _Pages(registry)
+    _add_page_routes(router, pages)
+    _add_data_routes(router, pages)
+    _add_static_route(router)
+    return router
 
+
+class _Pages:
+    """Renders the dashboard's pages over one registry: the page's JSON embedded, or the
+    error a reader can act on."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    @staticmethod
     def base(request: Request) -> str:
         return request.scope.get("root_path", "") + PREFIX
 
-    def page(request: Request, template: str, title: str, content: Any, **extra: Any) -> Response:
-        html = (
+    def runs(self, request: Request, listing: RunListing) -> dict:
+        result = self.registry.dashboard.run_page(
+            page=listing.page_number,
+            per_page=listing.per_page,
+            metric=listing.metric,
+            mode=listing.mode,
+        )
+        return data.runs_json(result, self.base(request))
+
+    def page(
+        self, request: Request, template: str, title: str, content: Any, **extra: Any
+    ) -> Response:
+        html = self._render(template, request, title=title, data=_embedded(content), **extra)
+        return HTMLResponse(html, headers={"Cache-Control": "no-store"})
+
+    def error_page(self, request: Request, exc: CkvalError) -> Response:
+        status = next((code for cls, code in _PAGE_STATUS.items() if isinstance(exc, cls)), 400)
+        error = type(exc).__name__
+        html = self._render("error.html", request, title=error, error=error, detail=str(exc))
+        return HTMLResponse(html, status_code=status)
+
+    def _render(self, template: str, request: Request, **values: Any) -> str:
+        return (
             _templates()
             .get_template(template)
             .render(
-                title=title,
-                base=base(request),
-                namespace=registry.namespace,
-                database=registry.display_url,
-                data=_embedded(content),
-                **extra,
+                base=self.base(request),
+                namespace=self.registry.namespace,
+                database=self.registry.display_url,
+                **values,
             )
         )
-        return HTMLResponse(html, headers={"Cache-Control": "no-store"})
 
-    def error_page(request: Request, exc: CkvalError) -> Response:
-        status = next((code for cls, code in _PAGE_STATUS.items() if isinstance(exc, cls)), 400)
-        html = (
-            _templates()
-            .get_template("error.html")
-            .render(
-                title=type(exc).__name__,
-                base=base(request),
-                namespace=registry.namespace,
-                database=registry.display_url,
-                error=type(exc).__name__,
-                detail=str(exc),
-            )
-        )
-        return HTMLResponse(html, status_code=status)
 
-    # -------------------------------------------------------------- pages
+def _add_page_routes(router: APIRouter, pages: _Pages) -> None:
     @router.get("", response_class=HTMLResponse)
     @router.get("/", response_class=HTMLResponse)
-    def runs_page(
-        request: Request,
-        page_number: int = Query(1, alias="page", ge=1),
-        per_page: int = Query(RUNS_PER_PAGE, ge=1, le=MAX_RUNS_PER_PAGE),
-        metric: str | None = Query(None, max_length=255),
-        mode: ModeParam = None,
-    ) -> Response:
-        content = _runs(request, page_number, per_page, metric, mode)
-        return page(request, "runs.html", "Runs", content)
+    def runs_page(request: Request, listing: RunListing = Depends()) -> Response:
+        content = pages.runs(request, listing)
+        return pages.page(request, "runs.html", "Runs", content)
 
     @router.get("/runs/{run}", response_class=HTMLResponse)
     def run_page(request: Request, run: str) -> Response:
         try:
-            content = data.run_json(registry, run, base(request))
+            content = data.run_json(pages.registry, run, pages.base(request))
         except CkvalError as exc:
-            return error_page(request, exc)
-        return page(request, "run.html", run, content, run=run)
+            return pages.error_page(request, exc)
+        return pages.page(request, "run.html", run, content, run=run)
 
     @router.get("/compare", response_class=HTMLResponse)
     def compare_page(
@@ -125,31 +152,24 @@ def dashboard_router(registry: Registry, settings: Settings) -> APIRouter:
         content = None
         if runs is not None:
             try:
-                content = data.compare_json(registry, runs, metric, mode, base(request))
+                content = data.compare_json(pages.registry, runs, metric, mode, pages.base(request))
             except CkvalError as exc:
-                return error_page(request, exc)
-        return page(
+                return pages.error_page(request, exc)
+        return pages.page(
             request, "compare.html", "Compare runs", content, runs=runs or "", metric=metric or ""
         )
 
-    # ------------------------------------------------------- JSON they poll
-    def _runs(request: Request, page_number: int, per_page: int, metric, mode) -> dict:
-        result = registry.run_page(page=page_number, per_page=per_page, metric=metric, mode=mode)
-        return data.runs_json(result, base(request))
+
+def _add_data_routes(router: APIRouter, pages: _Pages) -> None:
+    """The JSON the pages poll: the same their first paint embeds."""
 
     @router.get("/api/runs")
-    def runs_data(
-        request: Request,
-        page_number: int = Query(1, alias="page", ge=1),
-        per_page: int = Query(RUNS_PER_PAGE, ge=1, le=MAX_RUNS_PER_PAGE),
-        metric: str | None = Query(None, max_length=255),
-        mode: ModeParam = None,
-    ) -> JSONResponse:
-        return _json(_runs(request, page_number, per_page, metric, mode))
+    def runs_data(request: Request, listing: RunListing = Depends()) -> JSONResponse:
+        return _json(pages.runs(request, listing))
 
     @router.get("/api/runs/{run}")
     def run_data(request: Request, run: str) -> JSONResponse:
-        return _json(data.run_json(registry, run, base(request)))
+        return _json(data.run_json(pages.registry, run, pages.base(request)))
 
     @router.get("/api/compare")
     def compare_data(
@@ -158,9 +178,10 @@ def dashboard_router(registry: Registry, settings: Settings) -> APIRouter:
         metric: str | None = Query(None, max_length=255),
         mode: ModeParam = None,
     ) -> JSONResponse:
-        return _json(data.compare_json(registry, runs, metric, mode, base(request)))
+        return _json(data.compare_json(pages.registry, runs, metric, mode, pages.base(request)))
 
-    # --------------------------------------------------------------- static
+
+def _add_static_route(router: APIRouter) -> None:
     static = resources.files("validation_service.dashboard") / "static"
 
     @router.get("/static/{name}")
@@ -177,5 +198,18 @@ def dashboard_router(registry: Registry, settings: Settings) -> APIRouter:
                 media_type=STATIC_FILES[name],
                 headers={"Cache-Control": "public, max-age=3600"},
             )
+
+
+def docs_router() -> APIRouter:
+    """/docs: the HTTP API's reference, drawn from /openapi.json by a script of the
+    package. FastAPI's own /docs loads Swagger UI from a CDN; this page loads nothing
+    from another site, so it works offline and under the API's Content-Security-Policy."""
+    router = APIRouter(include_in_schema=False)
+
+    @router.get("/docs", response_class=HTMLResponse)
+    def api_docs(request: Request) -> Response:
+        root = request.scope.get("root_path", "")
+        html = _templates().get_template("docs.html").render(root=root, base=root + PREFIX)
+        return HTMLResponse(html)
 
     return router

@@ -19,9 +19,13 @@ from validation_service.errors import (
 )
 from validation_service.metrics import normalize_metrics
 from validation_service.registry.records import ClaimedJob
-from validation_service.signing import PayloadTrust
+from validation_service.signing import PayloadTrust, job_binding
 from validation_service.storage import CheckpointStorage
-from validation_service.validate_fn import load_validate_config, load_validate_fn
+from validation_service.validate_fn import (
+    call_validate_fn,
+    load_validate_config,
+    load_validate_fn,
+)
 
 # Also importable from here, where they were first defined.
 __all__ = [
@@ -57,36 +61,7 @@ def run_attempt(
     where = _where()
     workdir = tempfile.mkdtemp(prefix=f"ckval-job{job.job_id}-")
     try:
-        from ray.train import Checkpoint
-
-        if trust is None:
-            from validation_service.config import get_settings
-
-            trust = PayloadTrust.from_settings(get_settings())
-        storage = CheckpointStorage(storage_root, storage_options)
-        validate_fn = load_validate_fn(
-            job.validate_fn_ref, job.validate_fn_pickle, trust=trust, job_id=job.job_id
-        )
-        config = load_validate_config(job.validate_config, trust=trust, job_id=job.job_id)
-        local_dir = storage.materialize(job.uri, job.manifest_sha256, workdir)
-        context = ValidationContext(
-            job.run,
-            job.namespace,
-            job.report_index,
-            job.job_id,
-            job.attempt,
-            job.uri,
-            storage_options,
-        )
-        with validation_context(context):
-            result = validate_fn(Checkpoint.from_directory(local_dir), config)
-        if not isinstance(result, dict):
-            raise InvalidInput(
-                f"validate_fn {_name(validate_fn)} returned {type(result).__name__} "
-                f"({_preview(result)}); it must return a dict of metric name -> value, "
-                "e.g. {'accuracy': 0.93}."
-            )
-        metrics = normalize_metrics(result, what=f"validate_fn {_name(validate_fn)}'s result")
+        metrics = _validate(job, storage_root, storage_options, trust, workdir)
         return {
             "succeeded": True,
             "metrics": metrics,
@@ -107,6 +82,61 @@ def run_attempt(
         }
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _validate(
+    job: ClaimedJob,
+    storage_root: str,
+    storage_options: dict,
+    trust: PayloadTrust | None,
+    workdir: str,
+) -> dict[str, Any]:
+    """Verifies the payloads, materializes the checkpoint into ``workdir`` and calls the
+    validate_fn in its context; returns its metrics, normalized."""
+    from ray.train import Checkpoint
+
+    if trust is None:
+        from validation_service.config import get_settings
+
+        trust = PayloadTrust.from_settings(get_settings())
+    storage = CheckpointStorage(storage_root, storage_options)
+    validate_fn, config = _payloads(job, trust)
+    local_dir = storage.materialize(job.uri, job.manifest_sha256, workdir)
+    context = ValidationContext(
+        job.run,
+        job.namespace,
+        job.report_index,
+        job.job_id,
+        job.attempt,
+        job.uri,
+        storage_options,
+    )
+    with validation_context(context):
+        result = call_validate_fn(validate_fn, Checkpoint.from_directory(local_dir), config)
+    if not isinstance(result, dict):
+        raise InvalidInput(
+            f"validate_fn {_name(validate_fn)} returned {type(result).__name__} "
+            f"({_preview(result)}); it must return a dict of metric name -> value, "
+            "e.g. {'accuracy': 0.93}."
+        )
+    return normalize_metrics(result, what=f"validate_fn {_name(validate_fn)}'s result")
+
+
+def _payloads(job: ClaimedJob, trust: PayloadTrust) -> tuple[Any, dict[str, Any]]:
+    """The job's validate_fn and validate_config, each verified for this very job (a
+    payload copied from another job's row never verifies) before it is unpickled."""
+    bound_to = job_binding(job.namespace, job.run, job.report_index, job.uri)
+    validate_fn = load_validate_fn(
+        job.validate_fn_ref,
+        job.validate_fn_pickle,
+        trust=trust,
+        bound_to=bound_to,
+        job_id=job.job_id,
+    )
+    config = load_validate_config(
+        job.validate_config, trust=trust, bound_to=bound_to, job_id=job.job_id
+    )
+    return validate_fn, config
 
 
 def _where() -> dict[str, Any]:

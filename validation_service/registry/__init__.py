@@ -1,5 +1,7 @@
-"""The checkpoint registry: the Registry facade over the catalog, the queue and their
-transitions, on one database layer (the only code that touches the database).
+"""The checkpoint registry, the only code that touches the database: ``Registry`` (the
+users' queries) and, on the same database layer, the reporter's ``Ledger``, the
+scheduler's ``JobQueue``, ``Housekeeping`` and the dashboard's reads, each over the
+catalog, the queue and their transitions.
 
 ``Registry`` loads on first use (PEP 562): importing the plain records of
 ``validation_service.registry.records`` does not import SQLAlchemy.

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
+from validation_service._home import PRIVATE_FILE_MODE, make_private_folders
 from validation_service.metrics import decode_non_finite, encode_non_finite
 
 WRITE_OPTION = "ckval_write"
@@ -61,27 +62,15 @@ def create_registry_engine(url: str) -> Engine:
     )
 
 
-# The registry holds payloads that are unpickled when a validation runs: only its owner
-# may read or write it. SQLite gives its -wal, -shm and -journal files the mode of the
-# database file, so the database file's mode is theirs too.
-PRIVATE_FILE_MODE = 0o600
-PRIVATE_FOLDER_MODE = 0o700
-
-
 def create_private_file(path: Path) -> None:
     """Creates the SQLite file (and the folders to it) for its owner only; an existing file
-    or folder keeps its mode."""
-    missing = [parent for parent in reversed(path.parents) if not parent.exists()]
-    for folder in missing:
-        try:
-            folder.mkdir(mode=PRIVATE_FOLDER_MODE)
-        except FileExistsError:
-            pass  # made meanwhile by another process
+    or folder keeps its mode. The registry holds payloads that are unpickled when a
+    validation runs; SQLite gives its -wal, -shm and -journal files the database's mode."""
+    make_private_folders(path.parent)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, PRIVATE_FILE_MODE)
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, PRIVATE_FILE_MODE))
     except FileExistsError:
         return
-    os.close(fd)
 
 
 def _configure_sqlite(engine: Engine) -> None:

@@ -4,8 +4,11 @@
 Why raw SQL here: the CLI's start-up budget for a listing is 0.3 s, and importing
 SQLAlchemy alone takes more than that (pydantic, for Settings, adds to it). So these four
 listings read the registry with ``sqlite3`` (opened ``mode=ro``: it can never create or
-change a database) and return the same records the Registry returns, mirroring its
-queries statement for statement (catalog.py, queue.py, aliases.py). It only reads, and
+change a database) and return the same records the Registry returns, by running the
+Registry's own statements: the query builders of catalog.py, queue.py and aliases.py,
+compiled with the SQLite dialect into _fast_sql.py (a test compiles them again and
+compares), with the limits of both from limits.py (BEGIN and ROLLBACK, one read
+transaction per listing, are its only SQL of its own). It only reads, and
 only SQLite at the newest schema this code knows; the Registry stays the owner of every
 write, every migration and every other backend. ``open_reader`` returns None, and any
 read raises ``Unavailable``, wherever the Registry could behave differently; the CLI
@@ -20,6 +23,7 @@ import json
 import logging
 import os
 import sqlite3
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -28,13 +32,21 @@ from validation_service import _home
 from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus, RunStatus
 from validation_service.metrics import decode_non_finite
 from validation_service.names import is_safe_name
+from validation_service.registry import _fast_sql
+from validation_service.registry._fast_sql_names import jobs_statement
 from validation_service.registry._revisions import declared_heads, migrations_dir
+from validation_service.registry.limits import (
+    IDS_PER_IN_LIST,
+    KNOWN_METRICS_ROWS,
+    KNOWN_RUN_NAMES,
+)
 from validation_service.registry.records import (
     AttemptRecord,
     CheckpointRecord,
     JobRecord,
     RunRecord,
     RunSummary,
+    StopDecision,
 )
 
 FAST_READ_VAR = "CKVAL_CLI_FAST_READ"
@@ -73,6 +85,7 @@ CHECKED_SETTINGS = frozenset(
         "delivery_timeout_s",
         "http_port",
         "allowed_modules",
+        "mlflow_allowed_uris",
         "sinks",
         "sink_attempts",
         "sink_backoff_s",
@@ -85,8 +98,6 @@ CHECKED_SETTINGS = frozenset(
 _ACTIVE = sorted(s.value for s in ACTIVE_JOB_STATUSES)
 _RUN_STATUSES = frozenset(s.value for s in RunStatus)
 _JOB_STATUSES = frozenset(s.value for s in JobStatus)
-# Ids per IN (...) list, as aliases.py (_CHUNK) and SQLAlchemy's selectinload.
-_CHUNK = 500
 
 
 class Unavailable(Exception):
@@ -103,9 +114,9 @@ def open_reader(database_url: str | None, namespace: str | None) -> FastReader |
         return None
     env: dict[str, str] = {}
     for name, value in os.environ.items():
-        if not name.upper().startswith(_home.ENV_PREFIX):
+        field = _home.env_field(name.upper())
+        if field is None:
             continue
-        field = name[len(_home.ENV_PREFIX) :].lower()
         if name != name.upper() and field in PLAIN_SETTINGS | CHECKED_SETTINGS:
             return None  # pydantic-settings reads names in any case; keep to one rule
         if field in CHECKED_SETTINGS:
@@ -172,11 +183,12 @@ class FastReader:
         self.close()
 
     def schema_is_current(self) -> bool:
-        """Whether the database is at the one head revision of migrations/versions."""
+        """Whether the database is at the one head revision of migrations/versions
+        (the revisions stamped read as _migrate.current_revision reads them)."""
         heads = declared_heads(migrations_dir() / "versions")
         if heads is None or len(heads) != 1:
             return False
-        rows = self.connection.execute("SELECT version_num FROM alembic_version").fetchall()
+        rows = self.connection.execute(_fast_sql.SCHEMA_VERSIONS).fetchall()
         return len(rows) == 1 and rows[0][0] == heads[0]
 
     def _snapshot(self) -> _Snapshot:
@@ -189,53 +201,33 @@ class FastReader:
         if status is not None and status not in _RUN_STATUSES:
             raise Unavailable(status)
         with self._snapshot() as db:
-            runs = [
-                _run_record(row)
-                for row in db.execute(
-                    "SELECT runs.id, runs.name, runs.namespace, runs.storage_root, "
-                    "runs.created_at, runs.status, runs.tags, runs.attempt, runs.ended_at "
-                    "FROM runs WHERE runs.namespace = ? ORDER BY runs.id",
-                    (self.namespace,),
-                )
-            ]
-            checkpoints = dict(
-                db.execute(
-                    "SELECT checkpoints.run_id, count(checkpoints.id) AS count_1 "
-                    "FROM checkpoints JOIN runs ON runs.id = checkpoints.run_id "
-                    "WHERE runs.namespace = ? AND checkpoints.deleted_at IS NULL "
-                    "GROUP BY checkpoints.run_id",
-                    (self.namespace,),
-                ).fetchall()
-            )
+            namespace = (self.namespace,)
+            runs = [_run_record(row) for row in _named_rows(db.execute(_fast_sql.RUNS, namespace))]
+            checkpoints = dict(db.execute(_fast_sql.LIVE_CHECKPOINTS_PER_RUN, namespace).fetchall())
             jobs: dict[int, dict[str, int]] = {}
             for run_id, job_status, count in db.execute(
-                "SELECT validation_jobs.run_id, validation_jobs.status, "
-                "count(validation_jobs.id) AS count_1 "
-                "FROM validation_jobs JOIN runs ON runs.id = validation_jobs.run_id "
-                "WHERE runs.namespace = ? "
-                "GROUP BY validation_jobs.run_id, validation_jobs.status",
-                (self.namespace,),
+                _fast_sql.JOBS_PER_RUN_AND_STATUS, namespace
             ):
                 jobs.setdefault(run_id, {})[job_status] = count
+            decisions = _named_rows(db.execute(_fast_sql.STOP_DECISIONS, namespace))
+            stops = {row["run_id"]: _stop_decision(row) for row in decisions}
         if status is not None:
             runs = [run for run in runs if run.status == status]
-        return [RunSummary(run, checkpoints.get(run.id, 0), jobs.get(run.id, {})) for run in runs]
+        return [
+            RunSummary(run, checkpoints.get(run.id, 0), jobs.get(run.id, {}), stops.get(run.id))
+            for run in runs
+        ]
 
     def _require_run_id(self, db: sqlite3.Connection, name: str) -> int:
         """As Catalog.require_run_id: the run's latest attempt, else RunNotFound."""
-        row = db.execute(
-            "SELECT runs.id FROM runs WHERE runs.namespace = ? AND runs.name = ? "
-            "ORDER BY runs.attempt DESC LIMIT ? OFFSET ?",
-            (self.namespace, name, 1, 0),
-        ).fetchone()
+        row = db.execute(_fast_sql.LATEST_RUN_ID, (self.namespace, name, 1, 0)).fetchone()
         if row is not None:
             return row[0]
-        # The same statement as the catalog's (no ORDER BY): the same 50 names.
+        # The catalog's statement (no ORDER BY): the same names.
         known = [
             known_name
             for (known_name,) in db.execute(
-                "SELECT runs.name FROM runs WHERE runs.namespace = ? LIMIT ? OFFSET ?",
-                (self.namespace, 50, 0),
+                _fast_sql.KNOWN_RUN_NAMES, (self.namespace, KNOWN_RUN_NAMES, 0)
             )
         ]
         from validation_service.errors import RunNotFound
@@ -248,12 +240,7 @@ class FastReader:
         order, with their aliases and tags."""
         with self._snapshot() as db:
             run_id = self._require_run_id(db, run)
-            rows = db.execute(
-                f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints "
-                "WHERE checkpoints.run_id = ? AND checkpoints.deleted_at IS NULL "
-                "ORDER BY checkpoints.report_index",
-                (run_id,),
-            ).fetchall()
+            rows = _named_rows(db.execute(_fast_sql.LIVE_CHECKPOINTS, (run_id,)))
             records = [_checkpoint_record(row, run) for row in rows]
             return _with_aliases_and_tags(db, records)
 
@@ -267,26 +254,14 @@ class FastReader:
         check_k(k)  # the Registry's first check, with its error
         if mode not in ("max", "min"):
             raise Unavailable(mode)
-        order = "DESC" if mode == "max" else "ASC"
         with self._snapshot() as db:
             run_id = None if run is None else self._require_run_id(db, run)
-            params: tuple[Any, ...] = (metric, self.namespace)
-            by_run = ""
-            if run_id is not None:
-                by_run = " AND metric_values.run_id = ?"
-                params += (run_id,)
-            rows = db.execute(
-                f"SELECT {_CHECKPOINT_COLUMNS}, runs.name AS run_name FROM checkpoints "
-                "JOIN metric_values ON metric_values.checkpoint_id = checkpoints.id "
-                "JOIN runs ON runs.id = metric_values.run_id "
-                "WHERE metric_values.name = ? AND metric_values.effective = 1 "
-                f"AND runs.namespace = ?{by_run} "
-                f"ORDER BY metric_values.value {order}, metric_values.checkpoint_id ASC "
-                "LIMIT ? OFFSET ?",
-                (*params, k, 0),
-            ).fetchall()
+            by_run = () if run_id is None else (run_id,)
+            rows = _named_rows(
+                db.execute(_BEST[mode, run_id is not None], (metric, self.namespace, *by_run, k, 0))
+            )
             if rows:
-                records = [_checkpoint_record(row[:-1], row[-1]) for row in rows]
+                records = [_checkpoint_record(row, row["run_name"]) for row in rows]
                 return _with_aliases_and_tags(db, records)
             known = self._known_metrics(db, run_id)
             # As Registry._best: a metric recorded only as NaN/inf or text, or perhaps
@@ -299,17 +274,10 @@ class FastReader:
 
     def _known_metrics(self, db: sqlite3.Connection, run_id: int | None) -> set[str]:
         if run_id is not None:
-            rows = db.execute(
-                "SELECT checkpoints.reported_metrics, checkpoints.validated_metrics "
-                "FROM checkpoints WHERE checkpoints.run_id = ? LIMIT ? OFFSET ?",
-                (run_id, 10_000, 0),
-            )
+            rows = db.execute(_fast_sql.RUN_METRIC_NAMES, (run_id, KNOWN_METRICS_ROWS, 0))
         else:
             rows = db.execute(
-                "SELECT checkpoints.reported_metrics, checkpoints.validated_metrics "
-                "FROM checkpoints JOIN runs ON runs.id = checkpoints.run_id "
-                "WHERE runs.namespace = ? LIMIT ? OFFSET ?",
-                (self.namespace, 10_000, 0),
+                _fast_sql.NAMESPACE_METRIC_NAMES, (self.namespace, KNOWN_METRICS_ROWS, 0)
             )
         known: set[str] = set()
         for reported, validated in rows:
@@ -320,16 +288,9 @@ class FastReader:
     def _active_count(self, db: sqlite3.Connection, run_id: int | None) -> int:
         """QUEUED and RUNNING jobs of the run (of every run, of every namespace: None),
         as Queue.active_count."""
-        marks = ", ".join("?" for _ in _ACTIVE)
-        query = (
-            "SELECT count(validation_jobs.id) FROM validation_jobs "
-            f"WHERE validation_jobs.status IN ({marks})"
-        )
-        params: tuple[Any, ...] = tuple(_ACTIVE)
-        if run_id is not None:
-            query += " AND validation_jobs.run_id = ?"
-            params += (run_id,)
-        return db.execute(query, params).fetchone()[0] or 0
+        if run_id is None:
+            return db.execute(_fast_sql.ACTIVE_JOBS, _ACTIVE).fetchone()[0] or 0
+        return db.execute(_fast_sql.ACTIVE_JOBS_OF_RUN, (*_ACTIVE, run_id)).fetchone()[0] or 0
 
     # ------------------------------------------------------------------- jobs
     def list_jobs(
@@ -348,45 +309,35 @@ class FastReader:
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise Unavailable(limit)
         with self._snapshot() as db:
-            conditions = ["runs.namespace = ?"]
+            run_id = None if run is None else self._require_run_id(db, run)
+            name = jobs_statement(
+                run_id is not None, bool(wanted), pool is not None, limit is not None
+            )
+            statement = getattr(_fast_sql, name)
             params: list[Any] = [self.namespace]
-            if run is not None:
-                conditions.append("validation_jobs.run_id = ?")
-                params.append(self._require_run_id(db, run))
+            if run_id is not None:
+                params.append(run_id)
             if wanted:
-                conditions.append(f"validation_jobs.status IN ({', '.join('?' for _ in wanted)})")
+                statement = _in_list(statement, "statuses", wanted)
                 params += wanted
             if pool is not None:
-                conditions.append("validation_jobs.pool = ?")
                 params.append(pool)
-            query = (
-                f"SELECT {_JOB_COLUMNS}, checkpoints.report_index, runs.name "
-                "FROM validation_jobs "
-                "JOIN checkpoints ON checkpoints.id = validation_jobs.checkpoint_id "
-                "JOIN runs ON runs.id = validation_jobs.run_id "
-                f"WHERE {' AND '.join(conditions)} ORDER BY validation_jobs.id DESC"
-            )
             if limit is not None:
-                query += " LIMIT ? OFFSET ?"
                 params += [limit, 0]
-            rows = db.execute(query, params).fetchall()
-            attempts = self._attempts(db, [row[0] for row in rows])
-        return [_job_record(row, attempts.get(row[0], ())) for row in reversed(rows)]
+            rows = _named_rows(db.execute(statement, params))
+            attempts = self._attempts(db, [row["id"] for row in rows])
+        return [_job_record(row, attempts.get(row["id"], ())) for row in reversed(rows)]
 
     def _attempts(
         self, db: sqlite3.Connection, job_ids: list[int]
     ) -> dict[int, tuple[AttemptRecord, ...]]:
+        """As queue.attempts_by_job."""
         found: dict[int, list[AttemptRecord]] = {}
-        for start in range(0, len(job_ids), _CHUNK):
-            chunk = job_ids[start : start + _CHUNK]
-            for row in db.execute(
-                f"SELECT validation_attempts.job_id, {_ATTEMPT_COLUMNS} "
-                "FROM validation_attempts "
-                f"WHERE validation_attempts.job_id IN ({', '.join('?' for _ in chunk)}) "
-                "ORDER BY validation_attempts.attempt",
-                chunk,
-            ):
-                found.setdefault(row[0], []).append(_attempt_record(row[1:]))
+        for start in range(0, len(job_ids), IDS_PER_IN_LIST):
+            chunk = job_ids[start : start + IDS_PER_IN_LIST]
+            statement = _in_list(_fast_sql.JOB_ATTEMPTS, "ids", chunk)
+            for row in _named_rows(db.execute(statement, chunk)):
+                found.setdefault(row["job_id"], []).append(_attempt_record(row))
         return {job_id: tuple(rows) for job_id, rows in found.items()}
 
 
@@ -423,12 +374,16 @@ def _fields(cls: type, *, leave_out: Sequence[str] = ()) -> list[str]:
 
 
 _CHECKPOINT_FIELDS = _fields(CheckpointRecord, leave_out=("run", "aliases", "tags"))
-_CHECKPOINT_COLUMNS = ", ".join(f"checkpoints.{name}" for name in _CHECKPOINT_FIELDS)
 _JOB_FIELDS = _fields(JobRecord, leave_out=("run", "report_index", "attempt_history"))
-_JOB_COLUMNS = ", ".join(f"validation_jobs.{name}" for name in _JOB_FIELDS)
 _ATTEMPT_FIELDS = _fields(AttemptRecord)
-_ATTEMPT_COLUMNS = ", ".join(f"validation_attempts.{name}" for name in _ATTEMPT_FIELDS)
 _RUN_FIELDS = _fields(RunRecord)
+# (mode, of one run) -> the catalog's best-k statement: metric, namespace, [run id], k, 0
+_BEST = {
+    ("max", False): _fast_sql.BEST_MAX,
+    ("max", True): _fast_sql.BEST_MAX_OF_RUN,
+    ("min", False): _fast_sql.BEST_MIN,
+    ("min", True): _fast_sql.BEST_MIN_OF_RUN,
+}
 
 _DATETIMES = frozenset(
     {
@@ -440,11 +395,37 @@ _DATETIMES = frozenset(
         "started_at",
         "finished_at",
         "claimed_at",
+        "decided_at",
+        "overridden_at",
     }
 )
 _JSONS = frozenset(
-    {"tags", "reported_metrics", "validated_metrics", "metrics", "resources", "result_metrics"}
+    {
+        "tags",
+        "reported_metrics",
+        "validated_metrics",
+        "metrics",
+        "resources",
+        "result_metrics",
+        "policy",
+        "metric_values",
+        "skipped",
+    }
 )
+
+
+def _in_list(statement: str, name: str, values: Sequence[Any]) -> str:
+    """A generated statement with its IN list ``name`` given a ``?`` per value."""
+    marker = f"__[POSTCOMPILE_{name}]"
+    if statement.count(marker) != 1:
+        raise Unavailable(statement)
+    return statement.replace(marker, ", ".join("?" for _ in values))
+
+
+def _named_rows(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
+    """The rows as {column: value}, by the names the statement selects."""
+    names = [column[0] for column in cursor.description]
+    return [dict(zip(names, row, strict=True)) for row in cursor]
 
 
 def _datetime(value: Any) -> dt.datetime | None:
@@ -473,24 +454,38 @@ def _decoded(names: Sequence[str], row: Sequence[Any]) -> Iterator[tuple[str, An
             yield name, value
 
 
-def _run_record(row: Sequence[Any]) -> RunRecord:
-    return RunRecord(**dict(_decoded(_RUN_FIELDS, row)))
+def _run_record(row: dict[str, Any]) -> RunRecord:
+    """From a row of the catalog's runs statement (every column of runs)."""
+    return RunRecord(**_picked(row, _RUN_FIELDS))
 
 
-def _checkpoint_record(row: Sequence[Any], run: str) -> CheckpointRecord:
-    return CheckpointRecord(**dict(_decoded(_CHECKPOINT_FIELDS, row)), run=run)
+def _stop_decision(row: dict[str, Any]) -> StopDecision:
+    """From a row of registry/stopping.py's decisions statement."""
+    decoded = types.SimpleNamespace(**_picked(row, list(row)))
+    return StopDecision.from_row(decoded, row["run_name"], row["run_attempt"])
 
 
-def _attempt_record(row: Sequence[Any]) -> AttemptRecord:
-    return AttemptRecord(**dict(_decoded(_ATTEMPT_FIELDS, row)))
+def _checkpoint_record(row: dict[str, Any], run: str) -> CheckpointRecord:
+    """From a row of the catalog's record columns (best-k's run_name left out)."""
+    return CheckpointRecord(**_picked(row, _CHECKPOINT_FIELDS), run=run)
 
 
-def _job_record(row: Sequence[Any], attempts: tuple[AttemptRecord, ...]) -> JobRecord:
-    *job, report_index, run = row
+def _picked(row: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """These columns of a named row, decoded as the ORM does."""
+    return dict(_decoded(names, [row[name] for name in names]))
+
+
+def _attempt_record(row: dict[str, Any]) -> AttemptRecord:
+    return AttemptRecord(**_picked(row, _ATTEMPT_FIELDS))
+
+
+def _job_record(row: dict[str, Any], attempts: tuple[AttemptRecord, ...]) -> JobRecord:
+    """From a row of queue.list_jobs_query: every column of the job, its checkpoint's
+    report index and its run's name."""
     return JobRecord(
-        **dict(_decoded(_JOB_FIELDS, job)),
-        run=run,
-        report_index=report_index,
+        **_picked(row, _JOB_FIELDS),
+        run=row["name"],
+        report_index=row["report_index"],
         attempt_history=attempts,
     )
 
@@ -502,21 +497,14 @@ def _with_aliases_and_tags(
     aliases: dict[int, list[str]] = {}
     tags: dict[int, dict[str, str]] = {}
     ids = [record.id for record in records]
-    for start in range(0, len(ids), _CHUNK):
-        chunk = ids[start : start + _CHUNK]
-        marks = ", ".join("?" for _ in chunk)
+    for start in range(0, len(ids), IDS_PER_IN_LIST):
+        chunk = ids[start : start + IDS_PER_IN_LIST]
         for checkpoint_id, alias in db.execute(
-            "SELECT checkpoint_aliases.checkpoint_id, checkpoint_aliases.alias "
-            f"FROM checkpoint_aliases WHERE checkpoint_aliases.checkpoint_id IN ({marks}) "
-            "ORDER BY checkpoint_aliases.alias",
-            chunk,
+            _in_list(_fast_sql.CHECKPOINT_ALIASES, "ids", chunk), chunk
         ):
             aliases.setdefault(checkpoint_id, []).append(alias)
         for checkpoint_id, key, value in db.execute(
-            'SELECT checkpoint_tags.checkpoint_id, checkpoint_tags."key", checkpoint_tags.value '
-            f"FROM checkpoint_tags WHERE checkpoint_tags.checkpoint_id IN ({marks}) "
-            'ORDER BY checkpoint_tags."key"',
-            chunk,
+            _in_list(_fast_sql.CHECKPOINT_TAGS, "ids", chunk), chunk
         ):
             tags.setdefault(checkpoint_id, {})[key] = value
     return [

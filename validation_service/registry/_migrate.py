@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from alembic.config import Config
 
 _VERSION_TABLE = table("alembic_version", column("version_num"))
+# The revisions stamped (the CLI's fast read runs it too, see _fast_sql_source.py).
+VERSIONS_QUERY = select(_VERSION_TABLE.c.version_num)
 
 
 def alembic_config(url: str) -> Config:
@@ -47,7 +49,7 @@ def current_revision(engine: Engine) -> str | None:
     with engine.connect() as connection:
         if not inspect(connection).has_table(_VERSION_TABLE.name):
             return None
-        versions = connection.execute(select(_VERSION_TABLE.c.version_num)).scalars().all()
+        versions = connection.execute(VERSIONS_QUERY).scalars().all()
         if len(versions) <= 1:
             return versions[0] if versions else None
         # Several heads stamped: Alembic's own error says what to do.
@@ -69,13 +71,24 @@ def downgrade(engine: Engine, url: str, revision: str) -> None:
 
 
 def _migrate(engine: Engine, url: str, run, revision: str) -> None:
+    from alembic.util import CommandError
+
+    from validation_service.errors import InvalidInput
+
     with schema_lock(url):
         config = alembic_config(url)
         with engine.execution_options(**{WRITE_OPTION: True}).connect() as connection:
             with _sqlite_foreign_keys_off(connection):
                 with connection.begin():
                     config.attributes["connection"] = connection
-                    run(config, revision)
+                    try:
+                        run(config, revision)
+                    except CommandError as exc:
+                        raise InvalidInput(
+                            f"Cannot migrate the registry to revision {revision!r}: {exc}. "
+                            "Give 'head', 'base' or a revision of migrations/versions; "
+                            "`ckval db current` prints the current one. Nothing changed."
+                        ) from None
                     _check_foreign_keys(connection)
 
 

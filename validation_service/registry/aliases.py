@@ -14,6 +14,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from validation_service.errors import AliasNotFound, InvalidInput
+from validation_service.registry.limits import IDS_PER_IN_LIST
 from validation_service.registry.models import (
     Checkpoint,
     CheckpointAlias,
@@ -22,11 +23,10 @@ from validation_service.registry.models import (
     utcnow,
 )
 from validation_service.registry.records import CheckpointRecord
+from validation_service.validation import INT32_MAX
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
 MAX_TAG_VALUE = 1000
-# Ids per IN (...) list: far below SQLite's and PostgreSQL's limits on bound parameters.
-_CHUNK = 5000
 
 
 def check_alias(alias: str) -> None:
@@ -94,11 +94,14 @@ def live_checkpoint_id(conn: Connection, run_id: int, run: str, report_index: in
     retention cannot delete it meanwhile); InvalidInput naming what exists otherwise."""
     if not isinstance(report_index, int) or isinstance(report_index, bool):
         raise InvalidInput(f"report_index must be an int, got {report_index!r}")
-    row = conn.execute(
-        select(Checkpoint.id, Checkpoint.deleted_at)
-        .where(Checkpoint.run_id == run_id, Checkpoint.report_index == report_index)
-        .with_for_update()
-    ).first()
+    # An index outside the column's range names no checkpoint (and never reaches the driver).
+    row = None
+    if 0 <= report_index <= INT32_MAX:
+        row = conn.execute(
+            select(Checkpoint.id, Checkpoint.deleted_at)
+            .where(Checkpoint.run_id == run_id, Checkpoint.report_index == report_index)
+            .with_for_update()
+        ).first()
     if row is None:
         raise InvalidInput(
             f"run {run!r} has no checkpoint with report index {report_index}; "
@@ -199,23 +202,16 @@ def set_tag(conn: Connection, checkpoint_id: int, key: str, value: str | None) -
 def with_aliases_and_tags(
     session: Session | Connection, records: Sequence[CheckpointRecord]
 ) -> list[CheckpointRecord]:
-    """The records with their aliases and tags filled in (two queries per 5000 records)."""
+    """The records with their aliases and tags filled in (two queries per
+    IDS_PER_IN_LIST records)."""
     aliases: dict[int, list[str]] = {}
     tags: dict[int, dict[str, str]] = {}
     ids = [record.id for record in records]
-    for start in range(0, len(ids), _CHUNK):
-        chunk = ids[start : start + _CHUNK]
-        for checkpoint_id, alias in session.execute(
-            select(CheckpointAlias.checkpoint_id, CheckpointAlias.alias)
-            .where(CheckpointAlias.checkpoint_id.in_(chunk))
-            .order_by(CheckpointAlias.alias)
-        ):
+    for start in range(0, len(ids), IDS_PER_IN_LIST):
+        chunk = ids[start : start + IDS_PER_IN_LIST]
+        for checkpoint_id, alias in session.execute(aliases_query(chunk)):
             aliases.setdefault(checkpoint_id, []).append(alias)
-        for checkpoint_id, key, value in session.execute(
-            select(CheckpointTag.checkpoint_id, CheckpointTag.key, CheckpointTag.value)
-            .where(CheckpointTag.checkpoint_id.in_(chunk))
-            .order_by(CheckpointTag.key)
-        ):
+        for checkpoint_id, key, value in session.execute(tags_query(chunk)):
             tags.setdefault(checkpoint_id, {})[key] = value
     return [
         dataclasses.replace(
@@ -225,3 +221,23 @@ def with_aliases_and_tags(
         )
         for record in records
     ]
+
+
+def aliases_query(checkpoint_ids: Any):
+    """(checkpoint id, alias) of these checkpoints, in alias order (the CLI's fast read
+    runs it too, compiled with an expanding ``checkpoint_ids``)."""
+    return (
+        select(CheckpointAlias.checkpoint_id, CheckpointAlias.alias)
+        .where(CheckpointAlias.checkpoint_id.in_(checkpoint_ids))
+        .order_by(CheckpointAlias.alias)
+    )
+
+
+def tags_query(checkpoint_ids: Any):
+    """(checkpoint id, key, value) of these checkpoints' tags, in key order (the CLI's fast
+    read runs it too)."""
+    return (
+        select(CheckpointTag.checkpoint_id, CheckpointTag.key, CheckpointTag.value)
+        .where(CheckpointTag.checkpoint_id.in_(checkpoint_ids))
+        .order_by(CheckpointTag.key)
+    )

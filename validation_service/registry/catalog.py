@@ -15,11 +15,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from validation_service.errors import InvalidInput, RunNotFound
-from validation_service.jobs import MetricSource, RunStatus, ValidationStatus
+from validation_service.jobs import MetricSource, RunStatus
 from validation_service.metrics import normalize_metrics, rankable
 from validation_service.names import check_name
+from validation_service.registry import transitions
 from validation_service.registry.aliases import tag_conditions
 from validation_service.registry.database import Database
+from validation_service.registry.limits import KNOWN_METRICS_ROWS, KNOWN_RUN_NAMES
 from validation_service.registry.models import Checkpoint, MetricValue, Run, utcnow
 from validation_service.registry.records import CheckpointRecord, RunRecord, record_from
 
@@ -154,20 +156,26 @@ class Catalog:
             return session.scalar(self._run_id_query(name))
 
     def runs(self, session: Session) -> list[RunRecord]:
-        rows = session.scalars(
-            select(Run).where(Run.namespace == self.namespace).order_by(Run.id)
-        ).all()
+        rows = session.scalars(self._runs_query()).all()
         return [run_record(r) for r in rows]
+
+    def _runs_query(self):
+        """Every run attempt of the namespace, in id order (the CLI's fast read runs it too)."""
+        return select(Run).where(Run.namespace == self.namespace).order_by(Run.id)
 
     def checkpoint_counts(self, session: Session) -> dict[int, int]:
         """Run id -> its checkpoints that are not deleted, for every run of the namespace."""
-        query = (
+        return dict(session.execute(self._checkpoint_counts_query()).all())
+
+    def _checkpoint_counts_query(self):
+        """(run id, live checkpoints) per run of the namespace (the CLI's fast read runs it
+        too)."""
+        return (
             select(Checkpoint.run_id, func.count(Checkpoint.id))
             .join(Run, Run.id == Checkpoint.run_id)
             .where(Run.namespace == self.namespace, Checkpoint.deleted_at.is_(None))
             .group_by(Checkpoint.run_id)
         )
-        return dict(session.execute(query).all())
 
     def require_run_id(self, session: Session, name: str, attempt: int | None = None) -> int:
         """The id of the run's latest attempt (or of ``attempt``); RunNotFound if none."""
@@ -177,9 +185,7 @@ class Catalog:
                 f"run {name!r} has no attempt {attempt}; `ckval runs` lists its attempts"
             )
         if run_id is None:
-            known = session.scalars(
-                select(Run.name).where(Run.namespace == self.namespace).limit(50)
-            ).all()
+            known = session.scalars(self._known_names_query()).all()
             raise RunNotFound(name, self.namespace, list(known))
         return run_id
 
@@ -188,6 +194,10 @@ class Catalog:
         if attempt is not None:
             return query.where(Run.attempt == attempt)
         return query.order_by(Run.attempt.desc()).limit(1)
+
+    def _known_names_query(self):
+        """The run names a RunNotFound suggests (the CLI's fast read runs it too)."""
+        return select(Run.name).where(Run.namespace == self.namespace).limit(KNOWN_RUN_NAMES)
 
     def _latest_attempt_query(self, name: str):
         return (
@@ -263,7 +273,7 @@ class Catalog:
                 item.get("manifest_sha256"),
                 normalize_metrics(item.get("metrics", {}), what="imported metrics"),
             )
-            row.update(created_at=now, validation_status=ValidationStatus.NONE.value)
+            row.update(created_at=now, validation_status=transitions.registered_status(None))
             rows.append(row)
         if not rows:
             return 0
@@ -293,12 +303,10 @@ class Catalog:
     ) -> list[CheckpointRecord]:
         with self.db.read() as session:
             run_id = self.require_run_id(session, run, attempt)
-            query = select(*_RECORD_COLUMNS).where(Checkpoint.run_id == run_id)
-            if not include_deleted:
-                query = query.where(Checkpoint.deleted_at.is_(None))
+            query = checkpoints_query(run_id, include_deleted=include_deleted)
             if tags:
                 query = query.where(*tag_conditions(tags))
-            rows = session.execute(query.order_by(Checkpoint.report_index)).all()
+            rows = session.execute(query).all()
             return [checkpoint_record(c, run) for c in rows]
 
     def latest(self, run: str, attempt: int | None = None) -> CheckpointRecord | None:
@@ -338,29 +346,20 @@ class Catalog:
 
     def known_metrics(self, session: Session, run_id: int | None) -> set[str]:
         """Names of the metrics recorded for the run (any run of the namespace: None)."""
+        known: set[str] = set()
+        for reported, validated in session.execute(self._known_metrics_query(run_id)):
+            known.update(reported or {})
+            known.update(validated or {})
+        return known
+
+    def _known_metrics_query(self, run_id: int | None):
+        """The rows known_metrics reads (the CLI's fast read runs it too)."""
         query = select(Checkpoint.reported_metrics, Checkpoint.validated_metrics)
         if run_id is not None:
             query = query.where(Checkpoint.run_id == run_id)
         else:
             query = query.join(Run).where(Run.namespace == self.namespace)
-        known: set[str] = set()
-        for reported, validated in session.execute(query.limit(10_000)):
-            known.update(reported or {})
-            known.update(validated or {})
-        return known
-
-    def delete_checkpoint(self, checkpoint_id: int) -> None:
-        with self.db.write() as conn:
-            conn.execute(
-                update(_checkpoints)
-                .where(_checkpoints.c.id == checkpoint_id)
-                .values(deleted_at=utcnow())
-            )
-            conn.execute(
-                update(_values)
-                .where(_values.c.checkpoint_id == checkpoint_id)
-                .values(effective=False)
-            )
+        return query.limit(KNOWN_METRICS_ROWS)
 
     def merge_validated(self, conn: Connection, job: Row, validated: dict[str, Any]) -> dict:
         """Ranks a job's validated metrics (``job``: a transitions.running_job row); returns
@@ -412,6 +411,15 @@ def _best_query(mode: Mode, by_run: bool):
         .order_by(order, MetricValue.checkpoint_id.asc())
         .limit(bindparam("b_k"))
     )
+
+
+def checkpoints_query(run_id: Any, *, include_deleted: bool):
+    """A run attempt's checkpoints (the live ones unless ``include_deleted``) in report
+    order, as _RECORD_COLUMNS (the CLI's fast read runs it too)."""
+    query = select(*_RECORD_COLUMNS).where(Checkpoint.run_id == run_id)
+    if not include_deleted:
+        query = query.where(Checkpoint.deleted_at.is_(None))
+    return query.order_by(Checkpoint.report_index)
 
 
 def checkpoint_row(
@@ -476,6 +484,16 @@ _RECORD_COLUMNS = tuple(
 _METRIC_VALUE_COLUMNS = ("checkpoint_id", "run_id", "name", "source", "value", "effective")
 
 
+def counter_past(run_id: Any, report_index: Any):
+    """The UPDATE that moves the run's report counter past ``report_index``; it matches
+    no row (and so locks none) when the counter is past the index already."""
+    return (
+        update(_runs)
+        .where(_runs.c.id == run_id, _runs.c.next_report_index <= report_index)
+        .values(next_report_index=report_index + 1)
+    )
+
+
 def _copy_metric_values(conn: Connection, values: list[dict[str, Any]]) -> None:
     """PostgreSQL's COPY for a bulk import's metric values (several times faster)."""
     columns = ", ".join(_METRIC_VALUE_COLUMNS)
@@ -497,15 +515,7 @@ _RESERVE_REPORT_INDEX = (
     .values(next_report_index=_runs.c.next_report_index + 1)
     .returning(_runs.c.next_report_index)
 )
-# Matches no row (and so locks none) when the counter is already past the index.
-_KEEP_COUNTER_PAST = (
-    update(_runs)
-    .where(
-        _runs.c.id == bindparam("b_run_id"),
-        _runs.c.next_report_index <= bindparam("b_report_index"),
-    )
-    .values(next_report_index=bindparam("b_report_index") + 1)
-)
+_KEEP_COUNTER_PAST = counter_past(bindparam("b_run_id"), bindparam("b_report_index"))
 _INSERT_CHECKPOINT = insert(_checkpoints).returning(_checkpoints.c.id)
 _INSERT_METRIC_VALUE = insert(_values)
 _INSERT_CHECKPOINTS_IN_ORDER = insert(_checkpoints).returning(

@@ -23,6 +23,7 @@ from sqlalchemy.exc import (
 from sqlalchemy.orm import Session, sessionmaker
 
 from validation_service import retry
+from validation_service._home import ENV_PREFIX
 from validation_service.errors import (
     InvalidInput,
     InvalidSettings,
@@ -63,7 +64,7 @@ def _printable_url(url: str) -> str:
 def open_engine(url: str, source: str) -> Engine:
     """The registry's engine; a URL that names no usable database raises InvalidSettings
     (InvalidInput for an explicit argument) naming ``source`` and the masked URL."""
-    error = InvalidSettings if source.startswith("CKVAL_") else InvalidInput
+    error = InvalidSettings if source.startswith(ENV_PREFIX) else InvalidInput
     example = "sqlite:////path/to/registry.db or postgresql+psycopg://user:password@host:5432/db"
     try:
         parsed = make_url(url)

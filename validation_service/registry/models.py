@@ -259,3 +259,52 @@ class RetentionPolicy(Base):
     keep_best_per_run: Mapped[int] = mapped_column(Integer)
     keep_latest: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class StopPolicyRow(Base):
+    """The early-stopping policy of one run name (validation_service.stopping.StopPolicy),
+    stored by name so that it can be set before the run's first report and applies to
+    every attempt of the run."""
+
+    __tablename__ = "stop_policies"
+    __table_args__ = (UniqueConstraint("namespace", "run_name", name="uq_stop_policies_run"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    namespace: Mapped[str] = mapped_column(String(255))
+    run_name: Mapped[str] = mapped_column(String(255))
+    metric: Mapped[str] = mapped_column(String(255))
+    mode: Mapped[str] = mapped_column(String(8))
+    patience: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    min_delta: Mapped[float] = mapped_column(Float)
+    threshold: Mapped[float | None] = mapped_column(Float, nullable=True)
+    divergence: Mapped[float | None] = mapped_column(Float, nullable=True)
+    median_of_runs: Mapped[bool] = mapped_column(Boolean)
+    warmup: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class StopDecisionRow(Base):
+    """A run attempt's decision to stop: the rule, the checkpoint and the values that
+    decided, under the policy of that moment. One per (run, round): the first decision
+    stays; a user's override closes the round (``overridden_at``) and the rules may decide
+    again, a round later, on checkpoints after ``resumed_after_index``."""
+
+    __tablename__ = "stop_decisions"
+    __table_args__ = (UniqueConstraint("run_id", "round", name="uq_stop_decisions_run_round"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    round: Mapped[int] = mapped_column(Integer)
+    rule: Mapped[str] = mapped_column(String(32))
+    report_index: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(Text)
+    policy: Mapped[dict[str, Any]] = mapped_column()
+    # [[report index, value], ...] that decided, and what they were compared with.
+    metric_values: Mapped[list[Any]] = mapped_column(JSON)
+    reference: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # [[report index, why], ...]: checkpoints passed over (failed, timed out, no value).
+    skipped: Mapped[list[Any]] = mapped_column(JSON)
+    decided_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    overridden_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    # The last report index reserved when the override came: later rounds look after it.
+    resumed_after_index: Mapped[int | None] = mapped_column(Integer, nullable=True)

@@ -5,8 +5,10 @@ Every change of a job's state goes through transitions.py; this module finds the
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from sqlalchemy import bindparam, func, select, text
 from sqlalchemy.engine import Connection, Row
@@ -16,7 +18,14 @@ from validation_service.errors import JobNotFound
 from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus
 from validation_service.registry import transitions
 from validation_service.registry.database import Database
-from validation_service.registry.models import Checkpoint, Run, ValidationJob, utcnow
+from validation_service.registry.limits import IDS_PER_IN_LIST
+from validation_service.registry.models import (
+    Checkpoint,
+    Run,
+    ValidationAttempt,
+    ValidationJob,
+    utcnow,
+)
 from validation_service.registry.records import (
     AttemptRecord,
     ClaimedJob,
@@ -35,6 +44,7 @@ LEASE_COLUMNS = (
     _jobs.c.lease_owner,
     _jobs.c.lease_expires_at,
     _jobs.c.checkpoint_id,
+    _jobs.c.run_id,
     _jobs.c.attempts,
     _jobs.c.attempts_before_retry,
     _jobs.c.max_attempts,
@@ -69,20 +79,13 @@ class Queue:
         limit: int | None = None,
     ) -> list[JobRecord]:
         """Jobs of the namespace (or of one run), filtered; the newest ``limit``, oldest first."""
-        query = (
-            _job_query()
-            .where(Run.namespace == namespace)
-            .order_by(ValidationJob.id.desc())
-            .limit(limit)
-        )
-        if run_id is not None:
-            query = query.where(ValidationJob.run_id == run_id)
-        if statuses:
-            query = query.where(ValidationJob.status.in_(list(statuses)))
-        if pool is not None:
-            query = query.where(ValidationJob.pool == pool)
+        query = list_jobs_query(namespace, run_id, statuses or None, pool, limit)
         rows = session.execute(query).all()
-        return [job_record(job, run, index) for job, index, run in reversed(rows)]
+        attempts = attempts_by_job(session, [job.id for job, _, _ in rows])
+        return [
+            job_record(job, run, index, attempts.get(job.id, ()))
+            for job, index, run in reversed(rows)
+        ]
 
     def get_job(self, job_id: int, namespace: str | None = None) -> JobRecord:
         """The job with this id (only if its run is in ``namespace``, when given)."""
@@ -106,23 +109,14 @@ class Queue:
 
     def job_counts_by_run(self, session: Session, namespace: str) -> dict[int, dict[str, int]]:
         """Run id -> {status: jobs}, for every run of the namespace, in one query."""
-        query = (
-            select(ValidationJob.run_id, ValidationJob.status, func.count(ValidationJob.id))
-            .join(Run, Run.id == ValidationJob.run_id)
-            .where(Run.namespace == namespace)
-            .group_by(ValidationJob.run_id, ValidationJob.status)
-        )
         counts: dict[int, dict[str, int]] = {}
-        for run_id, status, count in session.execute(query):
+        for run_id, status, count in session.execute(job_counts_by_run_query(namespace)):
             counts.setdefault(run_id, {})[status] = count
         return counts
 
     def active_count(self, session: Session, run_id: int | None) -> int:
         """QUEUED and RUNNING jobs of the run (of every run: None)."""
-        query = select(func.count(_jobs.c.id)).where(_jobs.c.status.in_(_ACTIVE))
-        if run_id is not None:
-            query = query.where(_jobs.c.run_id == run_id)
-        return session.scalar(query) or 0
+        return session.scalar(active_count_query(run_id)) or 0
 
     def find_job_id(self, session: Session, run_id: int, report_index: int) -> int | None:
         key = transitions.idempotency_key(run_id, report_index)
@@ -279,16 +273,84 @@ def claimed_job(row, expires: dt.datetime) -> ClaimedJob:
     )
 
 
-def _job_query():
-    """Jobs with their report index and run name, attempts loaded."""
+def job_counts_by_run_query(namespace: str):
+    """(run id, status, jobs) for every run of the namespace (the CLI's fast read runs it
+    too)."""
+    return (
+        select(ValidationJob.run_id, ValidationJob.status, func.count(ValidationJob.id))
+        .join(Run, Run.id == ValidationJob.run_id)
+        .where(Run.namespace == namespace)
+        .group_by(ValidationJob.run_id, ValidationJob.status)
+    )
+
+
+def active_count_query(run_id: int | None):
+    """The count of QUEUED and RUNNING jobs of the run (of every run: None); the CLI's
+    fast read runs it too."""
+    query = select(func.count(_jobs.c.id)).where(_jobs.c.status.in_(_ACTIVE))
+    if run_id is not None:
+        query = query.where(_jobs.c.run_id == run_id)
+    return query
+
+
+def list_jobs_query(namespace: str, run_id: Any, statuses: Any, pool: Any, limit: Any):
+    """The newest ``limit`` jobs (all: None) of the namespace, of one run, in ``statuses``
+    and of ``pool`` where these are not None, with their report index and run name; their
+    attempts are read by attempts_query. The CLI's fast read runs it too, compiled for
+    each filter given or not."""
+    query = _job_rows().where(Run.namespace == namespace)
+    if run_id is not None:
+        query = query.where(ValidationJob.run_id == run_id)
+    if statuses is not None:
+        query = query.where(ValidationJob.status.in_(statuses))
+    if pool is not None:
+        query = query.where(ValidationJob.pool == pool)
+    return query.order_by(ValidationJob.id.desc()).limit(limit)
+
+
+def attempts_query(job_ids: Any):
+    """The attempts of these jobs, as AttemptRecord's columns after the job id, in attempt
+    order (the CLI's fast read runs it too, compiled with an expanding ``job_ids``)."""
+    return (
+        select(_attempts.c.job_id, *_ATTEMPT_COLUMNS)
+        .where(_attempts.c.job_id.in_(job_ids))
+        .order_by(_attempts.c.attempt)
+    )
+
+
+def attempts_by_job(session: Session, job_ids: Sequence[int]) -> dict[int, tuple]:
+    """Job id -> its AttemptRecords in attempt order (a query per IDS_PER_IN_LIST jobs)."""
+    found: dict[int, list[AttemptRecord]] = {}
+    for start in range(0, len(job_ids), IDS_PER_IN_LIST):
+        chunk = job_ids[start : start + IDS_PER_IN_LIST]
+        for row in session.execute(attempts_query(chunk)):
+            found.setdefault(row.job_id, []).append(record_from(AttemptRecord, row))
+    return {job_id: tuple(attempts) for job_id, attempts in found.items()}
+
+
+def _job_rows():
+    """Jobs with their report index and run name."""
     return (
         select(ValidationJob, Checkpoint.report_index, Run.name)
         .join(Checkpoint, Checkpoint.id == ValidationJob.checkpoint_id)
         .join(Run, Run.id == ValidationJob.run_id)
-        .options(selectinload(ValidationJob.attempt_rows))
     )
 
 
-def job_record(job: ValidationJob, run: str, report_index: int) -> JobRecord:
-    attempts = tuple(record_from(AttemptRecord, a) for a in job.attempt_rows)
+def _job_query():
+    """Jobs with their report index and run name, attempts loaded."""
+    return _job_rows().options(selectinload(ValidationJob.attempt_rows))
+
+
+def job_record(
+    job: ValidationJob, run: str, report_index: int, attempts: tuple | None = None
+) -> JobRecord:
+    """A record of a job (with ``attempts``, else the job's loaded attempt rows)."""
+    if attempts is None:
+        attempts = tuple(record_from(AttemptRecord, a) for a in job.attempt_rows)
     return record_from(JobRecord, job, run=run, report_index=report_index, attempt_history=attempts)
+
+
+_attempts = ValidationAttempt.__table__
+# AttemptRecord's fields, all columns of validation_attempts.
+_ATTEMPT_COLUMNS = tuple(_attempts.c[f.name] for f in dataclasses.fields(AttemptRecord))

@@ -9,6 +9,8 @@ import operator
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from validation_service.stopping import StopPolicy
+
 
 @dataclasses.dataclass(frozen=True)
 class RunRecord:
@@ -25,12 +27,69 @@ class RunRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class StopDecision:
+    """Why the service decided that a run attempt should stop (registry/stopping.py).
+
+    ``rule``: "patience", "threshold", "divergence" or "median_of_runs"; ``report_index``:
+    the checkpoint whose validated value decided; ``values``: the (report index, value)
+    pairs the rule looked at, in report order; ``reference``: what they were compared
+    with (the best value, the target or the median); ``skipped``: (report index, why) of
+    the checkpoints passed over on the way (a validation FAILED, TIMED_OUT or CANCELLED,
+    or no value of the metric); ``policy``: the policy as it was when it decided.
+
+    A user's override (``Registry.resume_despite_stop``) sets ``overridden_at``: the run is
+    no longer stopped, and the rules may decide again (``round`` + 1) on the checkpoints
+    reported after ``resumed_after_index``.
+    """
+
+    run: str
+    attempt: int
+    rule: str
+    reason: str
+    report_index: int
+    values: tuple[tuple[int, float], ...]
+    reference: float | None
+    skipped: tuple[tuple[int, str], ...]
+    policy: StopPolicy
+    decided_at: dt.datetime
+    round: int = 0
+    overridden_at: dt.datetime | None = None
+    resumed_after_index: int | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """True while the decision stands (no override)."""
+        return self.overridden_at is None
+
+    @classmethod
+    def from_row(cls, row: Any, run: str, attempt: int) -> StopDecision:
+        """The record of a stop_decisions row (its JSON columns decoded)."""
+        return cls(
+            run=run,
+            attempt=attempt,
+            rule=row.rule,
+            reason=row.reason,
+            report_index=row.report_index,
+            values=tuple((int(i), float(v)) for i, v in row.metric_values),
+            reference=row.reference,
+            skipped=tuple((int(i), str(why)) for i, why in row.skipped),
+            policy=StopPolicy.from_mapping(row.policy),
+            decided_at=row.decided_at,
+            round=row.round,
+            overridden_at=row.overridden_at,
+            resumed_after_index=row.resumed_after_index,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSummary:
-    """A run with how many checkpoints it has and how many of its jobs are in each status."""
+    """A run with how many checkpoints it has, how many of its jobs are in each status, and
+    its latest stop decision (None when no stop policy decided)."""
 
     run: RunRecord
     checkpoints: int
     job_counts: dict[str, int]
+    stop: StopDecision | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,6 @@ from sqlalchemy import (
     literal,
     select,
     true,
-    update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
@@ -25,7 +24,7 @@ from sqlalchemy.engine import Connection
 from validation_service.jobs import MetricSource
 from validation_service.metrics import rankable
 from validation_service.registry import transitions
-from validation_service.registry.catalog import Catalog, checkpoint_row
+from validation_service.registry.catalog import Catalog, checkpoint_row, counter_past
 from validation_service.registry.models import (
     Checkpoint,
     MetricValue,
@@ -84,14 +83,34 @@ def _one_statement_registration(with_job: bool):
     ``m_names``/``m_values`` (arrays) for the metric values. Returns (checkpoint id, job
     id or None, metric values inserted, run counters moved: 0 after a reservation).
     """
-    checkpoints, values, jobs = Checkpoint.__table__, MetricValue.__table__, ValidationJob.__table__
-    runs = Run.__table__
+    checkpoints = Checkpoint.__table__
     new_checkpoint = (
         insert(checkpoints)
         .values({name: bindparam(f"c_{name}") for name in _checkpoint_columns()})
         .returning(checkpoints.c.id, checkpoints.c.run_id)
         .cte("new_checkpoint")
     )
+    new_values = _new_metric_values(new_checkpoint)
+    job_id: Any = literal(None, Integer)
+    if with_job:
+        job_id = select(_new_job(new_checkpoint).c.id).scalar_subquery()
+    # A CTE runs only if the statement refers to it.
+    counter_moved = (
+        counter_past(bindparam("c_run_id"), bindparam("c_report_index"))
+        .returning(Run.__table__.c.id)
+        .cte("counter_moved")
+    )
+    return select(
+        new_checkpoint.c.id,
+        job_id,
+        select(func.count()).select_from(new_values).scalar_subquery(),
+        select(func.count()).select_from(counter_moved).scalar_subquery(),
+    )
+
+
+def _new_metric_values(new_checkpoint):
+    """The CTE inserting the new checkpoint's reported metric values from the arrays."""
+    values = MetricValue.__table__
     metric = (
         func.unnest(
             bindparam("m_names", type_=ARRAY(String)), bindparam("m_values", type_=ARRAY(Float))
@@ -99,7 +118,7 @@ def _one_statement_registration(with_job: bool):
         .table_valued("name", "value")
         .render_derived()
     )
-    new_values = (
+    return (
         insert(values)
         .from_select(
             ["checkpoint_id", "run_id", "name", "source", "value", "effective"],
@@ -115,38 +134,23 @@ def _one_statement_registration(with_job: bool):
         .returning(values.c.checkpoint_id)
         .cte("new_values")
     )
-    job_id: Any = literal(None, Integer)
-    if with_job:
-        job_columns = _job_columns()
-        new_job = (
-            insert(jobs)
-            .from_select(
-                ["checkpoint_id", *job_columns],
-                select(
-                    new_checkpoint.c.id,
-                    *(bindparam(f"j_{name}", type_=jobs.c[name].type) for name in job_columns),
-                ),
-            )
-            .returning(jobs.c.id)
-            .cte("new_job")
+
+
+def _new_job(new_checkpoint):
+    """The CTE inserting the new checkpoint's QUEUED job from the ``j_`` parameters."""
+    jobs = ValidationJob.__table__
+    job_columns = _job_columns()
+    return (
+        insert(jobs)
+        .from_select(
+            ["checkpoint_id", *job_columns],
+            select(
+                new_checkpoint.c.id,
+                *(bindparam(f"j_{name}", type_=jobs.c[name].type) for name in job_columns),
+            ),
         )
-        job_id = select(new_job.c.id).scalar_subquery()
-    # As Catalog.keep_counter_past; a CTE runs only if the statement refers to it.
-    counter_moved = (
-        update(runs)
-        .where(
-            runs.c.id == bindparam("c_run_id"),
-            runs.c.next_report_index <= bindparam("c_report_index"),
-        )
-        .values(next_report_index=bindparam("c_report_index") + 1)
-        .returning(runs.c.id)
-        .cte("counter_moved")
-    )
-    return select(
-        new_checkpoint.c.id,
-        job_id,
-        select(func.count()).select_from(new_values).scalar_subquery(),
-        select(func.count()).select_from(counter_moved).scalar_subquery(),
+        .returning(jobs.c.id)
+        .cte("new_job")
     )
 
 

@@ -3,19 +3,21 @@ save_trial_latest): which checkpoints go, marking them deleted, and stored polic
 
 Each attempt of a run counts as one run (Determined's trial) for the per-run rules. Never
 deleted: a checkpoint whose validation is QUEUED or RUNNING, one with an alias, and the
-one ``latest_checkpoint(run)`` returns. Reads checkpoints and metric values, writes
-checkpoints' ``deleted_at`` and retention_policies.
+one ``latest_checkpoint(run)`` returns. Files are removed only inside the checkpoint's own
+run folder, and never from a folder that another checkpoint record still uses. Reads
+checkpoints and metric values, writes checkpoints' ``deleted_at`` and retention_policies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import delete, exists, select, update
+from sqlalchemy import exists, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
@@ -32,6 +34,8 @@ from validation_service.registry.models import (
     utcnow,
 )
 from validation_service.registry.records import CheckpointRecord
+
+logger = logging.getLogger(__name__)
 
 # A validation in flight: the checkpoint's mirror of a QUEUED or RUNNING job.
 IN_FLIGHT = (ValidationStatus.PENDING.value, ValidationStatus.RUNNING.value)
@@ -186,29 +190,81 @@ def mark_deleted(conn: Connection, ids: list[int], now: dt.datetime) -> set[int]
     return marked
 
 
+def shared_folders(session: Session, deleted: list[Candidate]) -> set[int]:
+    """Ids of the deleted checkpoints whose folder a checkpoint record that is not
+    deleted still uses: its URI is that folder, lies inside it, or contains it."""
+    shared: set[int] = set()
+    for start in range(0, len(deleted), 200):
+        chunk = {c.record.id: c.record.uri.rstrip("/") for c in deleted[start : start + 200]}
+        ancestors = {a for uri in chunk.values() for a in _ancestors(uri)}
+        rows = session.scalars(
+            select(Checkpoint.uri).where(
+                Checkpoint.deleted_at.is_(None),
+                or_(
+                    Checkpoint.uri.in_(sorted(ancestors | set(chunk.values()))),
+                    *[Checkpoint.uri.startswith(u + "/", autoescape=True) for u in chunk.values()],
+                ),
+            )
+        )
+        used = {uri.rstrip("/") for uri in rows}
+        for checkpoint_id, uri in chunk.items():
+            if uri in used or used & set(_ancestors(uri)) or any(_under(u, uri) for u in used):
+                shared.add(checkpoint_id)
+    return shared
+
+
+def delete_files(
+    deleted: list[Candidate], shared: set[int], namespace: str, storage_options: dict
+) -> None:
+    """Removes deleted checkpoints' folders, each only inside its own run's folder and
+    only when no other record uses it (``shared``). A checkpoint registered in place
+    outside the storage root (NO_UPLOAD) keeps its files. A failure is logged; the rows
+    stay marked deleted."""
+    from validation_service.storage import CheckpointStorage
+
+    storages: dict[str, CheckpointStorage] = {}
+    for candidate in deleted:
+        record = candidate.record
+        try:
+            root = candidate.storage_root
+            if root not in storages:
+                storages[root] = CheckpointStorage(root, storage_options)
+            if not storages[root].in_root(record.uri):
+                logger.info(
+                    "checkpoint %d of run %r lies outside the storage root (registered in "
+                    "place): its files at %s are left where they are",
+                    *(record.report_index, record.run, record.uri),
+                )
+            elif record.id in shared:
+                logger.warning(
+                    "checkpoint %d of run %r is marked deleted, but another checkpoint record "
+                    "uses its folder %s: its files are left where they are",
+                    *(record.report_index, record.run, record.uri),
+                )
+            else:
+                storages[root].delete(record.uri, namespace=namespace, run=record.run)
+        except Exception as exc:  # noqa: BLE001 - the row is marked; say what is left
+            logger.warning(
+                "checkpoint %d of run %r is marked deleted but its files at %s could "
+                "not be removed (%s: %s); remove them by hand",
+                *(record.report_index, record.run, record.uri, type(exc).__name__, exc),
+            )
+
+
+def _ancestors(uri: str) -> list[str]:
+    parts = uri.split("/")
+    return ["/".join(parts[:end]) for end in range(len(parts) - 1, 0, -1) if parts[end - 1]]
+
+
+def _under(path: str, folder: str) -> bool:
+    return path.startswith(folder + "/")
+
+
 # ------------------------------------------------------------------ policies
 def save_policy(conn: Connection, namespace: str, rule: RetentionRule) -> None:
-    row: dict[str, Any] = {
-        "namespace": namespace,
-        "run_name": rule.run or "",
-        "metric": rule.metric,
-        "mode": rule.mode,
-        "keep_best": rule.keep_best,
-        "keep_best_per_run": rule.keep_best_per_run,
-        "keep_latest": rule.keep_latest,
-        "updated_at": utcnow(),
-    }
+    row: dict[str, Any] = {name: getattr(rule, name) for name in _POLICY_COLUMNS}
+    row.update(namespace=namespace, run_name=rule.run or "", updated_at=utcnow())
     upsert(conn, RetentionPolicy.__table__, row, ["namespace", "run_name"])
-
-
-def remove_policy(conn: Connection, namespace: str, run: str | None) -> bool:
-    return bool(
-        conn.execute(
-            delete(RetentionPolicy).where(
-                RetentionPolicy.namespace == namespace, RetentionPolicy.run_name == (run or "")
-            )
-        ).rowcount
-    )
 
 
 def policies(session: Session, namespace: str) -> dict[str | None, RetentionRule]:
@@ -216,15 +272,14 @@ def policies(session: Session, namespace: str) -> dict[str | None, RetentionRule
     rows = session.scalars(select(RetentionPolicy).where(RetentionPolicy.namespace == namespace))
     return {
         (row.run_name or None): RetentionRule(
-            metric=row.metric,
-            mode=row.mode,
-            keep_best=row.keep_best,
-            keep_best_per_run=row.keep_best_per_run,
-            keep_latest=row.keep_latest,
-            run=row.run_name or None,
+            **{name: getattr(row, name) for name in _POLICY_COLUMNS}, run=row.run_name or None
         )
         for row in rows
     }
+
+
+# The rule's fields stored under the same names (``run`` is stored as run_name).
+_POLICY_COLUMNS = ("metric", "mode", "keep_best", "keep_best_per_run", "keep_latest")
 
 
 def run_of(session: Session, run_id: int) -> tuple[str, str] | None:

@@ -27,6 +27,7 @@ from validation_service.registry.models import (
     ValidationJob,
 )
 from validation_service.registry.records import AttemptRecord, JobRecord, RunRecord, record_from
+from validation_service.validation import INT64_MAX, MAX_BEST_K, check_int
 
 Mode = Literal["max", "min"]
 
@@ -84,6 +85,25 @@ def default_mode(metric: str) -> Mode:
 
 
 # ------------------------------------------------------------------ dashboard
+def _newest_runs(
+    session: Session, namespace: str, page: int, per_page: int, total: int
+) -> list[tuple[int, dt.datetime]]:
+    """(run id, last activity) of the runs of one page, newest activity first; none past
+    the last page."""
+    offset = (page - 1) * per_page
+    if offset >= total:
+        return []
+    last_activity = _last_activity(session.get_bind().dialect.name)
+    newest_first = (
+        select(Run.id, last_activity)
+        .where(Run.namespace == namespace)
+        .order_by(last_activity.desc(), Run.id.desc())
+        .limit(per_page)
+        .offset(offset)
+    )
+    return [(run_id, _aware(at)) for run_id, at in session.execute(newest_first)]
+
+
 def run_page(
     session: Session,
     namespace: str,
@@ -96,20 +116,13 @@ def run_page(
     """One page of the namespace's runs, newest activity first, with grouped counts.
 
     ``metric`` None ranks by the first metric the page's runs recorded; ``mode`` None takes
-    the usual direction of the metric's name (see default_mode).
+    the usual direction of the metric's name (see default_mode). A page past the last one
+    is empty; one whose offset no 64-bit integer holds is refused (InvalidInput).
     """
+    check_int(per_page, "per_page", 1, MAX_BEST_K)
+    check_int(page, "page", 1, INT64_MAX // per_page)
     total = session.scalar(select(func.count()).where(Run.namespace == namespace)) or 0
-    last_activity = _last_activity(session.get_bind().dialect.name)
-    chosen = [
-        (run_id, _aware(at))
-        for run_id, at in session.execute(
-            select(Run.id, last_activity)
-            .where(Run.namespace == namespace)
-            .order_by(last_activity.desc(), Run.id.desc())
-            .limit(per_page)
-            .offset((page - 1) * per_page)
-        )
-    ]
+    chosen = _newest_runs(session, namespace, page, per_page, total)
     ids = [run_id for run_id, _ in chosen]
     if not ids:
         return RunPage([], page, per_page, total, [], 0, metric, mode or "max")

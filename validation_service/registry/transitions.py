@@ -32,6 +32,7 @@ from validation_service.jobs import (
 from validation_service.registry.models import Checkpoint, Run, ValidationAttempt, ValidationJob
 from validation_service.registry.records import JobOutcome
 from validation_service.request import ValidationRequest
+from validation_service.retry import counted_from_after_retry
 
 _jobs, _checkpoints, _attempts = (
     ValidationJob.__table__,
@@ -97,6 +98,14 @@ def enqueue_row(
         "created_at": now,
         "updated_at": now,
     }
+
+
+def registered_status(request: ValidationRequest | None) -> str:
+    """The validation status a new checkpoint is written with: the mirror of its job's
+    QUEUED (PENDING), or NONE when it has no job."""
+    if request is None:
+        return ValidationStatus.NONE.value
+    return JOB_TO_VALIDATION_STATUS[JobStatus.QUEUED].value
 
 
 def enqueue(
@@ -288,14 +297,11 @@ def retry(
     """FAILED, TIMED_OUT or CANCELLED -> QUEUED with a fresh budget of attempts.
 
     With ``max_retries`` the budget stops at max_attempts x (1 + max_retries) attempts in
-    all (the caller leaves out jobs that made them already).
+    all (the caller leaves out jobs that made them already; see retry.py).
     """
-    budget_from: Any = _jobs.c.attempts
-    if max_retries is not None:
-        last_budget_from = _jobs.c.max_attempts * max_retries
-        budget_from = case(
-            (_jobs.c.attempts < last_budget_from, _jobs.c.attempts), else_=last_budget_from
-        )
+    budget_from = counted_from_after_retry(
+        _jobs.c.attempts, _jobs.c.max_attempts, max_retries, least=_least
+    )
     values = {
         "status": JobStatus.QUEUED.value,
         "attempts_before_retry": budget_from,
@@ -324,6 +330,11 @@ def _move(
     )
     changed_ids = set(changed.scalars())
     return [job for job in jobs if job.id in changed_ids]
+
+
+def _least(a: Any, b: Any) -> Any:
+    """The smaller of two SQL expressions (SQLite's min() and PostgreSQL's LEAST differ)."""
+    return case((a < b, a), else_=b)
 
 
 def _close_attempts(

@@ -68,7 +68,7 @@ class Sink(Protocol):
 SINK_KINDS: dict[str, tuple[str, frozenset[str]]] = {
     "mlflow": (
         "validation_service.sinks.mlflow:MlflowSink",
-        frozenset({"tracking_uri", "experiment", "prefix"}),
+        frozenset({"tracking_uri", "experiment", "prefix", "allowed_tracking_uris"}),
     ),
     "wandb": (
         "validation_service.sinks.wandb:WandbSink",
@@ -103,7 +103,8 @@ def parse_sinks(value: Any) -> list[dict[str, Any]]:
         value = [value]
     if not isinstance(value, list):
         raise InvalidInput(
-            f"sinks must be a list of sink kinds or {{'kind': ...}} objects, got {value!r}"
+            "sinks must be a list of sink kinds or {'kind': ...} objects, got a "
+            f"{type(value).__name__}"
         )
     return [_checked_sink(item) for item in value]
 
@@ -112,9 +113,11 @@ def _checked_sink(item: Any) -> dict[str, Any]:
     if isinstance(item, str):
         item = {"kind": item}
     if not isinstance(item, dict) or not isinstance(item.get("kind"), str):
+        # The item itself is not shown: its options may hold credentials.
         raise InvalidInput(
             f"each sink is a kind ({', '.join(SINK_KINDS)}) or an object with a 'kind', "
-            f"got {item!r}"
+            f"got a {type(item).__name__}"
+            + (f" with the keys {sorted(item)}" if isinstance(item, dict) else "")
         )
     kind = item["kind"]
     options = set(item) - {"kind"}
@@ -218,8 +221,13 @@ class SinkDispatcher:
 
     @classmethod
     def from_settings(cls, settings, registry, stats: dict[str, int]) -> SinkDispatcher:
+        # The MLflow sink logs only to the tracking servers the service's settings allow.
+        allowed = list(settings.mlflow_allowed_uris)
         return cls(
-            settings.sinks,
+            [
+                {"allowed_tracking_uris": allowed, **c} if c.get("kind") == "mlflow" else c
+                for c in settings.sinks
+            ],
             registry,
             stats,
             attempts=settings.sink_attempts,
@@ -309,7 +317,7 @@ class SinkDispatcher:
                 record = self.registry.get_job(job.job_id)
                 if record.status != "SUCCEEDED":
                     continue  # e.g. metrics that could not be stored failed the attempt
-                tags = self.registry.run_tags(job.run, job.namespace)
+                tags = self.registry.ledger.run_tags(job.run, job.namespace)
             except Exception:  # noqa: BLE001 - the registry is down: this job is not logged
                 logger.warning(
                     "could not read validation job %s to log its metrics to the sinks",

@@ -1,32 +1,46 @@
 """MLflow sink: validated metrics at the checkpoint's step, in the training's MLflow run.
 
 When report() ran inside an active MLflow run (``mlflow.start_run()``, Ray's
-``setup_mlflow``), the metrics go into that run, on its tracking server. Otherwise, or when
-this sink is configured with another ``tracking_uri``, they go into a run named after
-ckval's run in the experiment ``experiment`` (created on first use, found again by its
-``ckval.run_key`` tag). Needs ``pip install 'ckval[mlflow]'``.
+``setup_mlflow``), the metrics go into that run, on its tracking server, if that server is
+one the service allows: the sink's ``tracking_uri``, else the service's own tracking URI
+(MLFLOW_TRACKING_URI), or one of ``allowed_tracking_uris`` (CKVAL_MLFLOW_ALLOWED_URIS).
+A run's recorded server is never trusted by itself: the service's MLflow credentials go
+only to servers its own settings name, and a validation whose run names another is
+logged, with a warning naming the job, to the service's own server instead. Otherwise,
+or when this sink is configured with another ``tracking_uri``, they go into a run named
+after ckval's run in the experiment ``experiment`` (created on first use, found again by
+its ``ckval.run_key`` tag). Needs ``pip install 'ckval[mlflow]'``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Sequence
 
+from validation_service.secrets import mask_url, without_credentials
 from validation_service.sinks import ValidatedMetrics
+
+logger = logging.getLogger(__name__)
 
 
 class MlflowSink:
     kind = "mlflow"
 
     def __init__(
-        self, tracking_uri: str | None = None, experiment: str = "ckval", prefix: str = ""
+        self,
+        tracking_uri: str | None = None,
+        experiment: str = "ckval",
+        prefix: str = "",
+        allowed_tracking_uris: Sequence[str] = (),
     ):
         import mlflow  # noqa: F401 - fails here, at build time, when the extra is missing
 
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.prefix = prefix
+        self.allowed_tracking_uris = tuple(allowed_tracking_uris)
         # (tracking URI, namespace, ckval run) -> the MLflow run named after it
         self._named_runs: dict[tuple[str, str, str], str] = {}
 
@@ -54,13 +68,35 @@ class MlflowSink:
         import mlflow
 
         training = item.trackers.get("mlflow") or {}
-        uri = self.tracking_uri or training.get("tracking_uri") or mlflow.get_tracking_uri()
-        if training.get("run_id") and training.get("tracking_uri", uri) == uri:
-            return uri, training["run_id"]
+        uri = self.tracking_uri or mlflow.get_tracking_uri()
+        if training.get("run_id"):
+            recorded = training.get("tracking_uri")
+            server = uri if recorded is None else self._allowed(recorded)
+            if server is not None and (server == uri or not self.tracking_uri):
+                return server, training["run_id"]
+            if server is None and not self.tracking_uri:
+                logger.warning(
+                    "validation job %s (run %r): not logged to the MLflow tracking server %s "
+                    "that the run recorded, as this service's settings do not allow it (the "
+                    "sink's tracking_uri, MLFLOW_TRACKING_URI, CKVAL_MLFLOW_ALLOWED_URIS); "
+                    "logged to %s instead",
+                    *(item.job_id, item.run, mask_url(recorded), mask_url(uri)),
+                )
         key = (uri, item.namespace, item.run)
         if key not in self._named_runs:
             self._named_runs[key] = self._named_run(uri, item.namespace, item.run)
         return uri, self._named_runs[key]
+
+    def _allowed(self, recorded: str) -> str | None:
+        """The tracking URI this service may use (its credentials included) for the
+        server a run recorded (stored without credentials); None if none is allowed."""
+        import mlflow
+
+        wanted = without_credentials(recorded).rstrip("/")
+        for uri in (self.tracking_uri, mlflow.get_tracking_uri(), *self.allowed_tracking_uris):
+            if uri and without_credentials(uri).rstrip("/") == wanted:
+                return uri
+        return None
 
     def _named_run(self, uri: str, namespace: str, run: str) -> str:
         from mlflow import MlflowClient

@@ -1,8 +1,9 @@
 """Validators: ready-made validate_fns for the patterns in the Ray docs (a Ray Data
-``map_batches`` job, an eval-only ``TorchTrainer``). They run inside an attempt; how an
-attempt runs is the executors' business."""
+``map_batches`` job, an eval-only ``TorchTrainer``) and for Hugging Face checkpoints. They
+run inside an attempt; how an attempt runs is the executors' business."""
 
 from validation_service.validators.map_batches import MapBatchesValidator
 from validation_service.validators.torch_trainer import TorchTrainerValidator
+from validation_service.validators.transformers import TransformersValidator
 
-__all__ = ["MapBatchesValidator", "TorchTrainerValidator"]
+__all__ = ["MapBatchesValidator", "TorchTrainerValidator", "TransformersValidator"]

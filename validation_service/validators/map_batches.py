@@ -110,13 +110,7 @@ class MapBatchesValidator:
             **(config or {}),
         }
         _check_constructor_accepts(self.predictor_cls, constructor_kwargs)
-        options: dict[str, Any] = {}
-        if self.num_cpus is not None:
-            options["num_cpus"] = self.num_cpus
-        if self.num_gpus:
-            options["num_gpus"] = self.num_gpus
-        if self.accelerator_type:
-            options["accelerator_type"] = self.accelerator_type
+        options = actor_resources(self.num_cpus, self.num_gpus, self.accelerator_type)
         output = resolve_dataset(self.dataset, "dataset").map_batches(
             self.predictor_cls,
             fn_constructor_kwargs=constructor_kwargs,
@@ -257,6 +251,18 @@ def _check_constructor_accepts(predictor_cls: type, kwargs: dict[str, Any]) -> N
             "__init__ gets checkpoint=, fn_constructor_kwargs and the validate_config "
             "entries; accept them (or **kwargs) or report without those validate_config keys."
         ) from None
+
+
+def actor_resources(num_cpus, num_gpus, accelerator_type) -> dict[str, Any]:
+    """map_batches' resource options of each predictor actor, only those that were set."""
+    options: dict[str, Any] = {}
+    if num_cpus is not None:
+        options["num_cpus"] = num_cpus
+    if num_gpus:
+        options["num_gpus"] = num_gpus
+    if accelerator_type:
+        options["accelerator_type"] = accelerator_type
+    return options
 
 
 def _actor_pool(concurrency: int | tuple[int, ...]):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.train import DataConfig, RunConfig, ScalingConfig, UserCallback
 
+from validation_service import _ray_compat
 from validation_service.context import current_validation
 from validation_service.errors import CkvalError, InvalidInput, PermanentValidationError
 from validation_service.metrics import to_plain
@@ -32,6 +33,8 @@ __all__ = ["EvalRunFailed", "ExactSplitDataConfig", "TorchTrainerValidator"]
 _CHECKPOINT_DIR = re.compile(r"checkpoint_(\d+)")
 # Rank 0's last reported metrics, written by the run's controller into the run's folder.
 EVAL_METRICS_FILE = "ckval_eval_metrics.json"
+# Rank 0's return value, written by the eval loop itself where Ray has no Result.return_value.
+EVAL_RETURN_FILE = "ckval_eval_return.json"
 
 
 class EvalRunFailed(CkvalError, RuntimeError):
@@ -126,8 +129,11 @@ class TorchTrainerValidator:
             # The eval run's workers may be on other nodes: with remote storage the
             # checkpoint passed in is a verified copy on this node; they read the stored one.
             checkpoint = context.stored_checkpoint()
+        eval_loop = self.eval_loop_per_worker
+        if not _ray_compat.result_has_return_value():  # Ray 2.51-2.55
+            eval_loop = _SaveRank0Return(eval_loop, run_config.storage_context)
         trainer = TorchTrainer(
-            self.eval_loop_per_worker,
+            eval_loop,
             train_loop_config={
                 **(self.eval_config or {}),
                 **(config or {}),
@@ -149,12 +155,13 @@ class TorchTrainerValidator:
                 name, str(base.storage_path), checkpoint.path, lines[-1] if lines else repr(exc)
             ) from exc
         metrics = _load_saved_metrics(run_config)
-        if isinstance(result.return_value, dict):
-            metrics.update(result.return_value)
-        elif result.return_value is not None:
+        returned = getattr(result, "return_value", None) or _load_saved_return(run_config)
+        if isinstance(returned, dict):
+            metrics.update(returned)
+        elif returned is not None:
             raise PermanentValidationError(
                 f"the eval loop {_name(self.eval_loop_per_worker)} returned "
-                f"{type(result.return_value).__name__} on rank 0; return a dict of metrics "
+                f"{_returned_type(returned)} on rank 0; return a dict of metrics "
                 "or None (and call ray.train.report(metrics))."
             )
         if not metrics:
@@ -196,7 +203,7 @@ class ExactSplitDataConfig(DataConfig):
             if dataset.name is None:
                 dataset.set_name(name)
             dataset = dataset.copy(dataset)
-            dataset.context.execution_options = self._resolve_execution_options(name)
+            dataset.context.execution_options = _ray_compat.data_execution_options(self, name)
             if name in to_split:
                 splits = dataset.streaming_split(world_size, equal=False, locality_hints=hints)
                 for rank, split in enumerate(splits):
@@ -245,6 +252,53 @@ def _metrics_path(storage) -> str:
     return posixpath.join(storage.experiment_fs_path, EVAL_METRICS_FILE)
 
 
+@dataclasses.dataclass
+class _SaveRank0Return:
+    """The eval loop, saving what it returns on rank 0 next to the run's files: Ray
+    2.51-2.55 have no ``Result.return_value`` to carry it to the validator."""
+
+    eval_loop: Callable[[dict[str, Any]], Any]
+    storage: Any  # the run's StorageContext
+
+    def __call__(self, config: dict[str, Any]) -> Any:
+        returned = self.eval_loop(config)
+        if returned is not None and ray.train.get_context().get_world_rank() == 0:
+            if isinstance(returned, dict):
+                saved = {"metrics": to_plain(dict(returned))}
+            else:
+                saved = {"type": type(returned).__name__}
+            fs = self.storage.storage_filesystem
+            fs.create_dir(self.storage.experiment_fs_path, recursive=True)
+            with fs.open_output_stream(_return_path(self.storage)) as out:
+                out.write(json.dumps(saved).encode())
+        return returned
+
+
+def _return_path(storage) -> str:
+    return posixpath.join(storage.experiment_fs_path, EVAL_RETURN_FILE)
+
+
+def _load_saved_return(run_config: RunConfig) -> dict[str, Any] | _ReturnedType | None:
+    storage = run_config.storage_context
+    try:
+        with storage.storage_filesystem.open_input_stream(_return_path(storage)) as f:
+            saved = json.loads(f.read().decode())
+    except FileNotFoundError:
+        return None
+    return saved["metrics"] if "metrics" in saved else _ReturnedType(saved["type"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReturnedType:
+    """What a rank 0 eval loop returned that is not a dict (on Ray 2.51-2.55): its type."""
+
+    name: str
+
+
+def _returned_type(returned: Any) -> str:
+    return returned.name if isinstance(returned, _ReturnedType) else type(returned).__name__
+
+
 def _load_saved_metrics(run_config: RunConfig) -> dict[str, Any]:
     storage = run_config.storage_context
     try:
@@ -256,10 +310,11 @@ def _load_saved_metrics(run_config: RunConfig) -> dict[str, Any]:
 
 def _delete_saved_metrics(run_config: RunConfig) -> None:
     storage = run_config.storage_context
-    try:
-        storage.storage_filesystem.delete_file(_metrics_path(storage))
-    except FileNotFoundError:
-        pass
+    for path in (_metrics_path(storage), _return_path(storage)):
+        try:
+            storage.storage_filesystem.delete_file(path)
+        except FileNotFoundError:
+            pass
 
 
 def _default_storage_path():

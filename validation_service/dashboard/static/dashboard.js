@@ -23,6 +23,9 @@
     for (const [key, value] of Object.entries(attrs || {})) {
       if (value === null || value === undefined || value === false) continue;
       if (key === "class") node.className = value;
+      // Through the CSSOM: a style attribute is inline CSS, which the page's
+      // Content-Security-Policy (style-src 'self') refuses.
+      else if (key === "style") node.style.cssText = value;
       else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
       else node.setAttribute(key, value === true ? "" : value);
     }
@@ -258,13 +261,13 @@
 
     function drawTimeline(data) {
       const node = document.getElementById("timeline");
-      const jobs = data.jobs.filter((job) => job.queued_at);
+      const jobs = data.jobs.filter((job) => job.created_at);
       if (!jobs.length) {
         node.replaceChildren(el("p", { class: "empty" }, "No validation jobs."));
         return;
       }
       const end = (job) => job.finished_at || data.now;
-      const t0 = Math.min(...jobs.map((job) => Date.parse(job.queued_at)));
+      const t0 = Math.min(...jobs.map((job) => Date.parse(job.created_at)));
       const t1 = Math.max(...jobs.map((job) => Date.parse(end(job))), t0 + 1);
       const pools = [...new Set(jobs.map((job) => job.pool))].sort();
       const label = 150, width = Math.max(480, node.clientWidth - 20), row = 14;
@@ -279,11 +282,11 @@
           const waitEnd = started || end(job);
           const group = svg("g", { class: "job", "data-job": job.id });
           group.append(svg("title", {}, `job ${job.id} (report ${job.report_index}): ` +
-            `${job.status}, queued ${job.queued_at}` + (started ? `, started ${started}` : "") +
+            `${job.status}, queued ${job.created_at}` + (started ? `, started ${started}` : "") +
             (job.finished_at ? `, finished ${job.finished_at}` : "")));
           group.append(svg("text", { x: 8, y: y + 10 }, `#${job.id} report ${job.report_index}`));
-          group.append(svg("rect", { x: x(job.queued_at), y, height: row - 3, fill: "#d1d5db",
-            width: Math.max(1, x(waitEnd) - x(job.queued_at)) }));
+          group.append(svg("rect", { x: x(job.created_at), y, height: row - 3, fill: "#d1d5db",
+            width: Math.max(1, x(waitEnd) - x(job.created_at)) }));
           if (started) {
             const color = { SUCCEEDED: "#16a34a", FAILED: "#dc2626", TIMED_OUT: "#dc2626",
               CANCELLED: "#9ca3af" }[job.status] || "#2563eb";
@@ -335,8 +338,8 @@
           el("td", { class: "num" }, job.report_index),
           el("td", {}, job.pool),
           el("td", {}, status(job.status)),
-          el("td", { class: "num" }, `${job.attempts}/${job.max_attempts}`),
-          el("td", { title: job.queued_at }, ago(job.queued_at)),
+          el("td", { class: "num" }, `${job.attempt_count}/${job.max_attempts}`),
+          el("td", { title: job.created_at }, ago(job.created_at)),
           el("td", {}, job.started_at && job.finished_at
             ? took(seconds(job.started_at, job.finished_at)) : "–"),
           el("td", {}, error));

@@ -1,0 +1,268 @@
+"""Building and signing what one report asks for: every argument checked up front.
+
+``ReportOptions`` is the one object that travels from every front door (report(),
+Client.report(), the framework callbacks) to the reporter; ``prepare_report`` checks it
+into plain metrics and a ``ValidationRequest`` before anything is copied or written;
+``signed_request`` signs the request's pickles just before it is registered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from validation_service.config import get_settings
+from validation_service.errors import InvalidInput
+from validation_service.jobs import ExecutorKind
+from validation_service.metrics import normalize_metrics, to_plain
+from validation_service.request import ValidationRequest
+from validation_service.signing import VALIDATE_CONFIG, VALIDATE_FN, PayloadTrust
+from validation_service.validate_fn import import_validate_fn, takes_config_as_keywords
+from validation_service.validation import (
+    check_checkpoint,
+    check_resources,
+    check_step_and_epoch,
+)
+
+
+class CheckpointUploadMode(enum.Enum):
+    """How report() persists the checkpoint, as in ray.train.CheckpointUploadMode.
+
+    SYNC: upload before report() returns. ASYNC: upload in the background; the
+    validation is enqueued once the upload is complete. NO_UPLOAD: the checkpoint is
+    already in ckval's storage (e.g. distributed checkpoint shards); register it there.
+    """
+
+    SYNC = "SYNC"
+    ASYNC = "ASYNC"
+    NO_UPLOAD = "NO_UPLOAD"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportOptions:
+    """report()'s keyword arguments, as every front door passes them on."""
+
+    validate_fn: Callable[..., dict] | str | None = None
+    validate_config: dict | None = None
+    checkpoint_upload_mode: CheckpointUploadMode = CheckpointUploadMode.SYNC
+    validation_resources: dict | None = None
+    priority: int = 0
+    timeout_s: float | None = None
+    max_attempts: int = 3
+    retry_on_timeout: bool = False
+    coalesce: str | None = None
+    delete_local_checkpoint_after_upload: bool | None = None
+
+    @classmethod
+    def of(cls, arguments: dict[str, Any]) -> ReportOptions:
+        """The options among a front door's arguments (its ``locals()``)."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in arguments.items() if name in names})
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedReport:
+    """One report, checked: what the reporter stores and registers."""
+
+    metrics: dict[str, Any]
+    job: ValidationRequest | None
+    mode: CheckpointUploadMode
+    delete_local: bool
+
+
+def prepare_report(metrics, checkpoint, options: ReportOptions) -> PreparedReport:
+    """Checks every report() argument before anything is stored.
+
+    Returns the plain metrics and the one ValidationRequest (or None) that goes from
+    the front door to the registry. Raises InvalidInput naming the bad argument.
+    """
+    if not isinstance(metrics, dict):
+        raise InvalidInput(f"metrics must be a dict, got {type(metrics).__name__}")
+    check_checkpoint(checkpoint)
+    mode = upload_mode(options.checkpoint_upload_mode)
+    if options.validate_fn is not None and checkpoint is None:
+        raise InvalidInput("validate_fn was given without a checkpoint to validate.")
+    job = None
+    if options.validate_fn is not None:
+        job = validation_request(
+            options.validate_fn,
+            options.validate_config,
+            options.validation_resources,
+            priority=options.priority,
+            timeout_s=options.timeout_s,
+            max_attempts=options.max_attempts,
+            retry_on_timeout=options.retry_on_timeout,
+            coalesce=options.coalesce,
+        )
+        if callable(options.validate_fn):  # a function neither form of call binds: refused
+            takes_config_as_keywords(options.validate_fn, options.validate_config or {})
+    delete_local = _delete_local(mode, options.delete_local_checkpoint_after_upload)
+    return PreparedReport(plain_metrics(metrics), job, mode, delete_local)
+
+
+def upload_mode(mode) -> CheckpointUploadMode:
+    """ckval's CheckpointUploadMode for ``mode``: ckval's, or Ray Train's of the same name
+    (``ray.train.CheckpointUploadMode.ASYNC``, as Ray's guides write it)."""
+    if isinstance(mode, CheckpointUploadMode):
+        return mode
+    if type(mode).__name__ == "CheckpointUploadMode" and getattr(mode, "value", None) in (
+        CheckpointUploadMode._value2member_map_
+    ):
+        return CheckpointUploadMode(mode.value)
+    raise InvalidInput(
+        "checkpoint_upload_mode must be a CheckpointUploadMode (ckval's or Ray Train's: "
+        f"SYNC, ASYNC, NO_UPLOAD), got {mode!r}"
+    )
+
+
+def _delete_local(mode: CheckpointUploadMode, delete: bool | None) -> bool:
+    """Whether the reported folder goes once copied: Ray Train's default for the mode."""
+    if delete is None:
+        return mode is CheckpointUploadMode.ASYNC
+    if not isinstance(delete, bool):
+        raise InvalidInput(
+            f"delete_local_checkpoint_after_upload must be True, False or None, got {delete!r}"
+        )
+    return delete
+
+
+def plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Reported metrics as stored; raises InvalidInput (before any copy) for a value the
+    registry cannot hold, such as a "step" beyond 64 bits."""
+    plain = normalize_metrics({k: to_plain(v) for k, v in metrics.items()}, what="metrics")
+    check_step_and_epoch(plain)
+    return plain
+
+
+def pool_for(resources: dict[str, Any]) -> str:
+    """The concurrency pool a job counts against: its accelerator type, GPU, or CPU."""
+    if resources.get("accelerator_type"):
+        return str(resources["accelerator_type"])
+    return "GPU" if resources.get("num_gpus") else "CPU"
+
+
+def validation_request(
+    validate_fn: Callable[..., dict] | str,
+    validate_config: dict | None,
+    validation_resources: dict | None,
+    priority: int,
+    timeout_s: float | None,
+    max_attempts: int,
+    retry_on_timeout: bool = False,
+    coalesce: str | None = None,
+) -> ValidationRequest:
+    """The ValidationRequest that a report() asks for, every argument checked up front.
+
+    Raises InvalidInput naming the bad argument, before anything is stored.
+    """
+    fn_ref, fn_pickle, fn_name = _validate_fn_payload(validate_fn)
+    config_bytes = _config_payload(validate_config)
+    resources = _checked_resources(validate_fn, validation_resources)
+    # ValidationRequest checks priority, timeout_s, max_attempts, resources and coalesce.
+    return ValidationRequest(
+        executor_kind=ExecutorKind.RAY_TASK.value,
+        pool=pool_for(resources),
+        validate_fn_name=fn_name,
+        validate_fn_ref=fn_ref,
+        validate_fn_pickle=fn_pickle,
+        validate_config=config_bytes,
+        resources=resources,
+        priority=priority,
+        timeout_s=timeout_s,
+        max_attempts=max_attempts,
+        retry_on_timeout=retry_on_timeout,
+        coalesce=coalesce,
+    )
+
+
+def _validate_fn_payload(validate_fn) -> tuple[str | None, bytes | None, str]:
+    """(import reference, pickled callable, name) of a validate_fn; one of the first two."""
+    if isinstance(validate_fn, str):
+        # A reference outside CKVAL_ALLOWED_MODULES is refused before it is imported; one
+        # that does not import fails here, now.
+        import_validate_fn(validate_fn, get_settings().allowed_modules)
+        return validate_fn, None, validate_fn
+    if not callable(validate_fn):
+        raise InvalidInput(
+            f"validate_fn must be a callable (checkpoint, config) -> dict or a "
+            f"'package.module:function' string, got {type(validate_fn).__name__}."
+        )
+    try:
+        pickled = _pickled(validate_fn)
+    except Exception as exc:  # noqa: BLE001 - any pickling error is the user's to fix
+        raise InvalidInput(
+            f"validate_fn {validate_fn!r} cannot be pickled ({exc}). Define it at module "
+            "level or pass its reference as 'package.module:function'."
+        ) from None
+    return None, pickled, getattr(validate_fn, "__qualname__", type(validate_fn).__name__)
+
+
+def _config_payload(validate_config: dict | None) -> bytes:
+    if validate_config is not None and not isinstance(validate_config, dict):
+        raise InvalidInput(f"validate_config must be a dict, got {type(validate_config).__name__}.")
+    try:
+        return cloudpickle.dumps(validate_config or {})
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise InvalidInput(
+            f"validate_config cannot be pickled ({exc}); it is stored until the validation "
+            "runs. Pass plain values, paths or URIs instead of open handles or locks."
+        ) from None
+
+
+def _checked_resources(validate_fn, validation_resources: dict | None) -> dict[str, Any]:
+    # Validators that launch Ray work of their own (MapBatchesValidator,
+    # TorchTrainerValidator) recommend num_cpus=0 for the task that drives them.
+    default = getattr(validate_fn, "recommended_resources", None) or {"num_cpus": 1}
+    if validation_resources is None or (
+        isinstance(validation_resources, dict) and not validation_resources
+    ):
+        return dict(default)
+    return dict(check_resources(validation_resources))
+
+
+def signed_request(job: ValidationRequest | None, trust: PayloadTrust, bound_to=None):
+    """The request as it is stored: its pickled validate_fn and validate_config signed
+    with the reporter's key for the job ``bound_to`` names (signing.job_binding).
+
+    Raises ModuleNotAllowed for a reference outside the reporter's allowed modules,
+    before anything is stored (all it does without ``bound_to``). Signing a signed
+    request changes nothing.
+    """
+    if job is None:
+        return None
+    if job.validate_fn_ref:
+        import_validate_fn(job.validate_fn_ref, trust.allowed_modules)  # the whole reference
+    if bound_to is None:
+        return job
+    fn, config = job.validate_fn_pickle, job.validate_config
+    signed_fn = trust.sign(VALIDATE_FN, fn, bound_to=bound_to)
+    signed_config = trust.sign(VALIDATE_CONFIG, config, bound_to=bound_to)
+    if signed_fn is fn and signed_config is config:
+        return job
+    return dataclasses.replace(job, validate_fn_pickle=signed_fn, validate_config=signed_config)
+
+
+# Each validate_fn is pickled once per process, as Ray pickles ValidationConfig(fn) once
+# per trainer; what changes from report to report belongs in validate_config.
+_PICKLED_MAX = 32
+_pickled_fns: dict[int, tuple[Callable[..., Any], bytes]] = {}
+_pickled_lock = threading.Lock()
+
+
+def _pickled(fn: Callable[..., Any]) -> bytes:
+    with _pickled_lock:
+        cached = _pickled_fns.get(id(fn))
+        if cached is not None and cached[0] is fn:
+            return cached[1]
+    data = cloudpickle.dumps(fn)
+    with _pickled_lock:
+        if len(_pickled_fns) >= _PICKLED_MAX:
+            _pickled_fns.pop(next(iter(_pickled_fns)))
+        _pickled_fns[id(fn)] = (fn, data)  # holds fn: its id is not reused meanwhile
+    return data

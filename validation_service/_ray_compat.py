@@ -1,0 +1,377 @@
+"""Every name ckval takes from Ray's undocumented modules, in one place, with what ckval
+does on a Ray release that lacks it.
+
+ckval supports Ray 2.51 to 2.60; everything else it calls is Ray's public API. The names
+in ``INTERNALS`` were read in the wheels of 2.51.0, 2.52.1, 2.53.0, 2.54.0, 2.55.1,
+2.56.1, 2.57.0 and 2.60.0 (DataConfig's in 2.51.2, 2.52.1, 2.53.0, 2.54.1, 2.55.1, 2.56.1,
+2.57.1 and 2.60.0). ``tests/test_ray_compat.py`` checks each one, and each
+assumption (the upload pool's single thread, the pool drained before a worker ends),
+against the installed Ray, so that an incompatible release fails one clear test rather
+than a training run.
+
+Public names that differ between releases are here too (``PUBLIC_DIFFERENCES``), each
+with the spelling ckval uses where it is missing; ckval picks by what the installed Ray
+has, never by its version number.
+
+``CKVAL_RAY_INTERNALS=0`` in the environment (the driver's reaches Ray workers) turns
+the report path's internals off, so that the public fallbacks run: for a Ray release
+where an internal behaves differently than its name promises.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any
+
+INTERNALS_VAR = "CKVAL_RAY_INTERNALS"
+
+_CONTEXT = "ray.train.v2._internal.execution.context"
+_CALLBACK = "ray.train.v2._internal.execution.callback"
+
+
+@dataclasses.dataclass(frozen=True)
+class Internal:
+    """One undocumented Ray name ckval uses: where it is, which releases have it, and
+    what ckval does where it is missing."""
+
+    module: str
+    name: str  # an attribute path inside the module
+    releases: str
+    missing: str
+    # Attribute paths that older releases have instead of ``name``: one of them suffices.
+    instead: tuple[str, ...] = ()
+    # The first release that has it: older ones do without it (``missing``), unchecked.
+    since: tuple[int, int] = (2, 51)
+
+
+INTERNALS = (
+    Internal(
+        _CONTEXT,
+        "get_train_context",
+        "2.51-2.60",
+        "report() calls ray.train.report on the training thread (ASYNC, public API)",
+    ),
+    Internal(
+        _CONTEXT,
+        "TrainContext.checkpoint_upload_threadpool",
+        "2.51-2.60 (MAX_CHECKPOINT_UPLOAD_THREADS = 1)",
+        "the same; a pool of more than one thread would reorder reports: not used",
+    ),
+    Internal(_CONTEXT, "TrainContext.execution_context", "2.51-2.60", "the same"),
+    Internal(
+        "ray.train.v2._internal.execution.worker_group.thread_runner",
+        "ThreadRunner.get_exception_queue",
+        "2.51-2.60",
+        "the same",
+    ),
+    Internal(_CONTEXT, "ExecutionContext.train_context_callbacks", "2.51-2.60", "the same"),
+    Internal(_CALLBACK, "TrainContextCallback.on_report", "2.51-2.60", "the same"),
+    Internal(
+        "ray.train.v2._internal.util",
+        "construct_user_exception_with_traceback",
+        "2.51-2.60",
+        "a failed report's exception fails the run as it is",
+    ),
+    Internal(
+        _CALLBACK,
+        "ControllerCallback.after_controller_finish",
+        "2.51-2.60 (with after_controller_start, after_controller_state_update)",
+        "RunStatusCallback cannot be made; the error names the missing name",
+    ),
+    Internal(
+        _CALLBACK,
+        "ControllerCallback.before_controller_abort",
+        "2.55-2.60",
+        "an abort is seen through after_controller_state_update (ABORTED)",
+        since=(2, 55),
+    ),
+    Internal(
+        "ray.train.v2._internal.execution.controller.state",
+        "AbortedState",
+        "2.51-2.60",
+        "an aborted run stays RUNNING (`ckval run R --status failed` ends it)",
+    ),
+    Internal(
+        "ray.train",
+        "DataConfig._resolve_execution_options",
+        "2.57-2.60; 2.53-2.56 have DataConfig._get_execution_options, 2.51-2.52 "
+        "DataConfig._execution_options (set next to DataConfig.set_train_total_resources)",
+        "ExactSplitDataConfig cannot set its datasets' execution options: its runs fail",
+        instead=("DataConfig._get_execution_options", "DataConfig.set_train_total_resources"),
+    ),
+    Internal(
+        "ray._private.services",
+        "canonicalize_bootstrap_address",
+        "2.51-2.60",
+        "commands that look for a running cluster need CKVAL_RAY_ADDRESS or RAY_ADDRESS",
+    ),
+)
+
+# Ray Train's upload pool has this many threads in every supported release; ckval keeps
+# its reports in order only on a single thread.
+UPLOAD_THREADS = 1
+
+
+def internals_enabled() -> bool:
+    """False when CKVAL_RAY_INTERNALS=0 (or false/off/no) asks for the public fallbacks."""
+    return os.environ.get(INTERNALS_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadLine:
+    """The parts of one Ray Train worker that ckval hands its reports through."""
+
+    context: Any  # the worker's train context: one line per context
+    pool: Any  # Ray Train's checkpoint upload ThreadPoolExecutor (one thread)
+    exceptions: Any  # the train function's exception queue: a put fails the run
+    callbacks: list  # the train context's callbacks (on_report wraps ray.train.report)
+
+
+def upload_line() -> UploadLine | None:
+    """This Ray Train worker's upload line, or None: outside a Ray Train worker, in Ray
+    Train's local mode, with the internals turned off, or where they differ."""
+    if not internals_enabled():
+        return None
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        context = get_train_context()
+        pool = context.checkpoint_upload_threadpool
+        execution = context.execution_context
+        exceptions = execution.training_thread_runner.get_exception_queue()
+        callbacks = execution.train_context_callbacks
+        if getattr(pool, "_max_workers", None) != UPLOAD_THREADS or not hasattr(exceptions, "put"):
+            return None
+        if train_context_callback_base() is None:
+            return None
+    except Exception:  # noqa: BLE001 - another Ray version, or not a Ray Train worker
+        return None
+    return UploadLine(context, pool, exceptions, callbacks)
+
+
+def train_context_callback_base() -> type | None:
+    """Ray Train's TrainContextCallback (its ``on_report`` wraps ``ray.train.report``)."""
+    try:
+        from ray.train.v2._internal.execution.callback import TrainContextCallback
+    except ImportError:
+        return None
+    return TrainContextCallback if hasattr(TrainContextCallback, "on_report") else None
+
+
+def user_exception(exc: BaseException) -> BaseException:
+    """The exception as Ray Train raises a train function's own: with its traceback."""
+    try:
+        from ray.train.v2._internal.util import construct_user_exception_with_traceback
+
+        return construct_user_exception_with_traceback(exc)
+    except Exception:  # noqa: BLE001 - raised as it is
+        return exc
+
+
+CONTROLLER_CALLBACK_HOOKS = (
+    "after_controller_start",
+    "after_controller_finish",
+    "after_controller_state_update",
+)
+
+
+def controller_callback_base() -> type:
+    """Ray Train's ControllerCallback, whose hooks the controller calls on the driver's
+    node. Raises ImportError naming what is missing where this Ray lacks it."""
+    try:
+        from ray.train.v2._internal.execution.callback import ControllerCallback
+    except ImportError as exc:
+        raise ImportError(
+            "trainer_integration.RunStatusCallback needs Ray Train's ControllerCallback "
+            f"({_CALLBACK}), which this Ray lacks ({exc}). "
+            "Use Ray 2.51 to 2.60, or end runs with `ckval run R --status finished`."
+        ) from None
+    missing = [hook for hook in CONTROLLER_CALLBACK_HOOKS if not hasattr(ControllerCallback, hook)]
+    if missing:
+        raise ImportError(
+            f"Ray Train's ControllerCallback lacks {', '.join(missing)} in this Ray: "
+            "trainer_integration.RunStatusCallback needs Ray 2.51 to 2.60."
+        )
+    return ControllerCallback
+
+
+def is_aborted_state(state: Any) -> bool:
+    """Whether a Ray Train controller state (after_controller_state_update) is ABORTED."""
+    try:
+        from ray.train.v2._internal.execution.controller.state import AbortedState
+    except ImportError:  # another Ray version: not recognised
+        return False
+    return isinstance(state, AbortedState)
+
+
+def bootstrap_address() -> str | None:
+    """The address ``ray.init(address="auto")`` would connect to, found without
+    connecting; None where there is none (or this Ray cannot say)."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+    except ImportError:
+        return None
+    try:
+        return canonicalize_bootstrap_address("auto")
+    except ConnectionError:
+        return None
+
+
+def missing_internals() -> list[Internal]:
+    """The names of INTERNALS that the installed Ray lacks (for the contract test and
+    ``ckval doctor``-style checks): a class attribute counts when it is a dataclass
+    field (annotated) or defined on the class."""
+    import importlib
+
+    import ray
+
+    release = tuple(int(part) for part in ray.__version__.split(".")[:2])
+    missing = []
+    for internal in INTERNALS:
+        if release < internal.since:
+            continue
+        try:
+            module = importlib.import_module(internal.module)
+        except ImportError:
+            missing.append(internal)
+            continue
+        if not any(_has_path(module, path) for path in (internal.name, *internal.instead)):
+            missing.append(internal)
+    return missing
+
+
+def _has_path(target: Any, path: str) -> bool:
+    """Whether the attribute path (``Class.attribute``) exists below ``target``."""
+    for part in path.split("."):
+        annotations = {}
+        if isinstance(target, type):
+            for klass in target.__mro__:
+                annotations.update(getattr(klass, "__annotations__", {}))
+        if hasattr(target, part):
+            target = getattr(target, part)
+        elif part in annotations:
+            return True  # a field of each instance: present, nothing more to walk
+        else:
+            return False
+    return True
+
+
+def data_execution_options(config: Any, dataset_name: str) -> Any:
+    """The Ray Data execution options that this Ray's ``DataConfig.configure`` gives the
+    dataset ``dataset_name`` (a copy, which the caller may change): for a DataConfig
+    subclass that splits datasets its own way."""
+    if hasattr(config, "_resolve_execution_options"):  # 2.57-2.60
+        return config._resolve_execution_options(dataset_name)
+    if hasattr(config, "_get_execution_options"):  # 2.53-2.56: one per dataset
+        options = config._get_execution_options(dataset_name)
+    else:  # 2.51-2.52: one for all datasets
+        options = copy.deepcopy(config._execution_options)
+    # As those releases' configure: Ray Data keeps off the CPUs and GPUs training holds,
+    # unless the user set limits or (2.56) the scaling policy reserves them already.
+    reserved = getattr(config, "_scaling_policy_reserves_train_resources", lambda: False)
+    if options.is_resource_limits_default() and not reserved():
+        from ray.data import ExecutionResources
+
+        options.exclude_resources = options.exclude_resources.add(
+            ExecutionResources(cpu=config._num_train_cpus, gpu=config._num_train_gpus)
+        )
+    return options
+
+
+@dataclasses.dataclass(frozen=True)
+class PublicDifference:
+    """A public Ray name that only some supported releases have."""
+
+    name: str
+    releases: str
+    elsewhere: str  # what ckval does on the other releases
+
+
+PUBLIC_DIFFERENCES = (
+    PublicDifference(
+        "ray.train.report(validation=...) with TorchTrainer(validation_config="
+        "ray.train.ValidationConfig(...)), and ray.train.ValidationTaskConfig",
+        "2.54-2.60",
+        "2.51-2.53 take ray.train.report(validate_fn=fn, validate_config=dict), with "
+        "fn(checkpoint, config): native_validation() spells Ray's own validation either way",
+    ),
+    PublicDifference(
+        "ray.train.Result.return_value (what the train function returned on rank 0)",
+        "2.56-2.60",
+        "TorchTrainerValidator's eval loop writes its rank 0 return value next to the "
+        "run's files itself, and the validator reads it from there",
+    ),
+    PublicDifference(
+        "ray.train.LoggingConfig and RunConfig(logging_config=...)",
+        "2.56-2.60",
+        "logging_config_kwargs() gives nothing: Ray Train logs at its default level",
+    ),
+)
+
+
+def report_takes_validation() -> bool:
+    """Whether ``ray.train.report`` takes ``validation=`` (2.54+) rather than
+    ``validate_fn=``/``validate_config=`` (2.51-2.53)."""
+    import ray.train
+
+    return "validation" in inspect.signature(ray.train.report).parameters
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeValidation:
+    """Ray Train's own checkpoint validation, in this Ray's spelling."""
+
+    trainer_kwargs: dict[str, Any]  # for the trainer (TorchTrainer(..., **trainer_kwargs))
+    report_kwargs: dict[str, Any]  # for each ray.train.report(..., **report_kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeywordsFromConfig:
+    """Ray 2.51-2.53 call a validate_fn as fn(checkpoint, config); 2.54+ call
+    fn(checkpoint, **fn_kwargs). This calls the second kind the first way."""
+
+    fn: Callable[..., dict]
+
+    def __call__(self, checkpoint: Any, config: dict | None) -> dict:
+        return self.fn(checkpoint, **(config or {}))
+
+
+def native_validation(
+    fn: Callable[..., dict], fn_kwargs: dict[str, Any], ray_remote_kwargs: dict | None = None
+) -> NativeValidation:
+    """Ray Train validating each reported checkpoint with ``fn(checkpoint, **fn_kwargs)``
+    in a Ray task. ``ray_remote_kwargs`` (2.54+) set the task's resources; 2.51-2.53 run it
+    with Ray's default, one CPU."""
+    if report_takes_validation():
+        from ray.train import ValidationConfig, ValidationTaskConfig
+
+        config = ValidationConfig(
+            fn=fn,
+            task_config=ValidationTaskConfig(fn_kwargs=fn_kwargs),
+            ray_remote_kwargs=ray_remote_kwargs or {"num_cpus": 1},
+        )
+        return NativeValidation({"validation_config": config}, {"validation": True})
+    report_kwargs = {"validate_fn": _KeywordsFromConfig(fn), "validate_config": dict(fn_kwargs)}
+    return NativeValidation({}, report_kwargs)
+
+
+def logging_config_kwargs(log_level: str) -> dict[str, Any]:
+    """``RunConfig`` keyword arguments that set Ray Train's log level (2.56+); nothing on
+    2.51-2.55, which have no ``ray.train.LoggingConfig``."""
+    import ray.train
+
+    logging_config = getattr(ray.train, "LoggingConfig", None)
+    if logging_config is None:
+        return {}
+    return {"logging_config": logging_config(log_level=log_level)}
+
+
+def result_has_return_value() -> bool:
+    """Whether ``ray.train.Result`` carries the train function's return value (2.56+)."""
+    import ray.train
+
+    return "return_value" in getattr(ray.train.Result, "__dataclass_fields__", {})

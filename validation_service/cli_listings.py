@@ -1,0 +1,118 @@
+"""`ckval runs`, `ckval checkpoints` and `ckval best`: the registry listings, read with
+sqlite3 alone from an embedded SQLite registry (cli_common.listing)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import click
+
+from validation_service._format import echo
+from validation_service.cli_common import echo_json, json_option, listing, render_table
+from validation_service.cli_registry import run_rows, status_option
+
+if TYPE_CHECKING:
+    from validation_service.registry.records import CheckpointRecord
+
+
+@click.command()
+@status_option
+@json_option
+@click.pass_context
+def runs(ctx: click.Context, status: str | None, as_json: bool) -> None:
+    """List runs (each attempt of a run name) with their checkpoint and validation counts."""
+    summaries = listing(ctx, "run_summaries", status=status)
+    if as_json:
+        from validation_service.views import run_json
+
+        echo_json([run_json(summary) for summary in summaries])
+        return
+    headers, rows = run_rows(summaries)
+    echo(render_table(headers, rows))
+
+
+@click.command()
+@click.argument("run")
+@json_option
+@click.pass_context
+def checkpoints(ctx: click.Context, run: str, as_json: bool) -> None:
+    """List the checkpoints of RUN with their merged metrics."""
+    records = listing(ctx, "checkpoints", run)
+    if as_json:
+        _echo_checkpoints_json(records)
+        return
+    echo(_checkpoint_table(records))
+
+
+@click.command()
+@click.argument("run", required=False)
+@click.option("--metric", required=True, help="Metric to rank by.")
+@click.option(
+    "--mode",
+    type=click.Choice(["max", "min"]),
+    default=None,
+    help="max: highest first; min: lowest first (a loss or an error).  [default: max]",
+)
+@click.option("-k", "k", default=1, show_default=True, type=click.IntRange(min=1))
+@json_option
+@click.pass_context
+def best(
+    ctx: click.Context, run: str | None, metric: str, mode: str | None, k: int, as_json: bool
+) -> None:
+    """The best K checkpoints of RUN (of all runs when RUN is left out) by a metric."""
+    from validation_service.metrics import lower_is_better
+
+    records = listing(ctx, "best_checkpoint_records", run, metric, mode or "max", k)
+    if mode is None and lower_is_better(metric):
+        echo(
+            f"warning: --mode defaulted to max, so the highest {metric!r} comes first, but "
+            f"{metric!r} reads like a metric where lower is better: pass --mode min for the "
+            "lowest (--mode max silences this warning).",
+            err=True,
+        )
+    if as_json:
+        _echo_checkpoints_json(records)
+        return
+    others = [m for m in _metric_columns(records) if m != metric]
+    echo(_checkpoint_table(records, [metric, *others][:6], with_run=run is None))
+
+
+def _echo_checkpoints_json(records: Sequence[CheckpointRecord]) -> None:
+    from validation_service.views import checkpoint_json
+
+    echo_json([checkpoint_json(record) for record in records])
+
+
+def _metric_columns(records: Sequence[CheckpointRecord], limit: int = 6) -> list[str]:
+    names: list[str] = []
+    for record in records:
+        for name in record.metrics:
+            if name not in names:
+                names.append(name)
+    return names[:limit]
+
+
+def _checkpoint_table(
+    records: Sequence[CheckpointRecord], metrics: list[str] | None = None, with_run: bool = False
+) -> str:
+    from validation_service._format import format_size
+
+    metrics = metrics or _metric_columns(records)
+    headers = ["#", *(["run"] if with_run else []), "report", "validation", *metrics, "size", "uri"]
+    rows = [
+        [
+            i + 1,
+            *([r.run] if with_run else []),
+            r.report_index,
+            r.validation_status,
+            *[r.metrics.get(m) for m in metrics],
+            format_size(r.size_bytes),
+            r.uri,
+        ]
+        for i, r in enumerate(records)
+    ]
+    return render_table(headers, rows)
+
+
+COMMANDS: list[click.Command] = [runs, checkpoints, best]

@@ -1,0 +1,110 @@
+"""The dashboard's and /metrics' reads: pages of runs, metric series, the queue's
+figures. ``Registry.dashboard``; the SQL is in stats.py.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+
+from validation_service.errors import UnknownMetric
+from validation_service.registry import stats
+from validation_service.registry.catalog import Catalog, Mode
+from validation_service.registry.database import Database, retry_on_disconnect
+from validation_service.registry.models import utcnow
+from validation_service.registry.records import JobRecord, RunRecord
+
+
+class DashboardReader:
+    """Grouped reads of one namespace's runs (the queue's figures: of every namespace)."""
+
+    def __init__(self, db: Database, catalog: Catalog):
+        self.db = db
+        self.catalog = catalog
+
+    @retry_on_disconnect
+    def run_page(
+        self,
+        *,
+        page: int = 1,
+        per_page: int = 50,
+        metric: str | None = None,
+        mode: Mode | None = None,
+    ) -> stats.RunPage:
+        """One page of the namespace's runs, newest activity first, with their counts and
+        best value of ``metric`` (None: the first one they recorded), in grouped queries."""
+        with self.db.read() as session:
+            return stats.run_page(
+                session,
+                self.catalog.namespace,
+                page=page,
+                per_page=per_page,
+                metric=metric,
+                mode=mode,
+            )
+
+    @retry_on_disconnect
+    def run_record(self, run: str) -> RunRecord:
+        """The named run of this namespace; RunNotFound otherwise."""
+        with self.db.read() as session:
+            record = stats.run_record(session, self.catalog.namespace, run)
+            if record is None:
+                self.catalog.require_run_id(session, run)  # raises RunNotFound with hints
+            assert record is not None
+            return record
+
+    @retry_on_disconnect
+    def metric_series(self, runs: Sequence[str], metric: str) -> dict[str, list[stats.MetricPoint]]:
+        """Run -> the effective values of ``metric`` by report index, for several runs.
+
+        Raises RunNotFound for an unknown run, and UnknownMetric when none of the runs has
+        recorded the metric and none has a validation still to come.
+        """
+        with self.db.read() as session:
+            run_ids = {self.catalog.require_run_id(session, run): run for run in runs}
+            series = stats.metric_series(session, run_ids, metric)
+            if any(series.values()) or stats.active_jobs(session, list(run_ids)):
+                return series
+            known = stats.run_metric_names(session, list(run_ids))
+            if metric in known:
+                return series
+            raise UnknownMetric(metric, runs[0] if len(runs) == 1 else None, known)
+
+    @retry_on_disconnect
+    def active_job_count(self, runs: Sequence[str]) -> int:
+        """QUEUED and RUNNING jobs of the named runs."""
+        with self.db.read() as session:
+            run_ids = [self.catalog.require_run_id(session, run) for run in runs]
+            return stats.active_jobs(session, run_ids)
+
+    @retry_on_disconnect
+    def run_jobs(self, run: str) -> list[JobRecord]:
+        """The run's jobs and attempts for display (like Registry.validations(), without
+        reading the stored validate_fn payloads)."""
+        with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run)
+            return stats.run_jobs(session, run_id, run)
+
+    @retry_on_disconnect
+    def metrics_snapshot(
+        self, *, grace_s: float, changed_since: dt.datetime
+    ) -> stats.MetricsSnapshot:
+        """The queue's figures for /metrics (every namespace: the queue is shared), and the
+        jobs changed since ``changed_since``."""
+        with self.db.read() as session:
+            return stats.metrics_snapshot(
+                session, now=utcnow(), grace_s=grace_s, changed_since=changed_since
+            )
+
+    @retry_on_disconnect
+    def job_time_totals(
+        self,
+        *,
+        duration_bounds: Sequence[float],
+        latency_bounds: Sequence[float],
+        until: dt.datetime,
+    ) -> tuple[stats.Buckets, stats.Buckets]:
+        """Validation duration and dispatch latency of the jobs up to ``until``, bucketed
+        by pool in the database (see stats.job_time_totals)."""
+        with self.db.read() as session:
+            return stats.job_time_totals(session, duration_bounds, latency_bounds, until)

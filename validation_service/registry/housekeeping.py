@@ -1,0 +1,127 @@
+"""Housekeeping after merged metrics: the run's stop policy judged (registry/stopping.py),
+tracked aliases moved onto the best checkpoints, retention applied (rows marked deleted,
+then their files removed from storage).
+
+``Registry.housekeeping``; the job queue calls ``after_validation`` after a success.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from validation_service.config import Settings
+from validation_service.errors import UnknownMetric
+from validation_service.registry import aliases as alias_store
+from validation_service.registry import retention
+from validation_service.registry.catalog import Catalog
+from validation_service.registry.database import Database, retry_on_disconnect
+from validation_service.registry.models import utcnow
+from validation_service.registry.records import CheckpointRecord
+from validation_service.registry.stopping import StopRules
+
+logger = logging.getLogger(__name__)
+
+
+class Housekeeping:
+    """Stop decisions, tracked aliases and retention, for the catalog of any namespace of
+    the database."""
+
+    def __init__(self, db: Database, catalog: Catalog, settings: Settings, stopping: StopRules):
+        self.db = db
+        self.catalog = catalog
+        self.settings = settings
+        self.stopping = stopping
+
+    def refresh_tracked_aliases(self, run_id: int) -> dict[str, int]:
+        """Moves the run's tracked aliases onto its current best checkpoints; returns
+        alias -> report index of those that point somewhere."""
+        pointed: dict[str, int] = {}
+        with self.db.write() as conn:
+            for alias, metric, mode in alias_store.tracking_rules(conn, run_id):
+                best = self.catalog.best(conn, run_id, metric, mode, 1)
+                if best:
+                    alias_store.set_alias(conn, run_id, alias, best[0].id)
+                    pointed[alias] = best[0].report_index
+        return pointed
+
+    @retry_on_disconnect
+    def apply_retention(
+        self,
+        catalog: Catalog,
+        rule: retention.RetentionRule,
+        *,
+        dry_run: bool,
+        strict: bool,
+        exclude_runs: Sequence[str] = (),
+    ) -> list[CheckpointRecord]:
+        """Deletes the checkpoints of ``catalog``'s namespace that no part of ``rule``
+        keeps (see Registry.apply_retention); ``strict``: an unknown metric raises
+        UnknownMetric, else nothing is deleted."""
+        with self.db.read() as session:
+            run_id = None if rule.run is None else catalog.require_run_id(session, rule.run)
+            found = retention.candidates(session, catalog.namespace, rule.run, exclude_runs)
+            found = retention.with_values(session, found, rule.metric)
+            if not any(c.value is not None for c in found):
+                known = catalog.known_metrics(session, run_id)
+                if rule.metric not in known:
+                    if not strict:
+                        return []
+                    raise UnknownMetric(rule.metric, rule.run, sorted(known))
+            aliased = retention.aliased_ids(session, [c.record.id for c in found])
+        going = retention.to_delete(found, rule, aliased)
+        if dry_run or not going:
+            return [c.record for c in going]
+        now = utcnow()
+        with self.db.write() as conn:
+            marked = retention.mark_deleted(conn, [c.record.id for c in going], now)
+        deleted = [c for c in going if c.record.id in marked]
+        with self.db.read() as session:
+            shared = retention.shared_folders(session, deleted)
+        retention.delete_files(deleted, shared, catalog.namespace, self.settings.storage_options)
+        return [dataclasses.replace(c.record, deleted_at=now) for c in deleted]
+
+    def after_validation(self, run_id: int) -> None:
+        """What follows merged metrics: the run's stop policy is judged (a decision is
+        stored once), its tracked aliases move to its best checkpoints, then its stored
+        retention policy (else its namespace's) applies.
+
+        Never raises: the validation's outcome is recorded already; a failure is logged.
+        """
+        try:
+            # One read finds out whether anything is to do (usually nothing): no write
+            # transaction per finished validation without a policy or rules.
+            with self.db.read() as session:
+                judged = self.stopping.has_policy(session, run_id)
+                rules = alias_store.tracking_rules(session, run_id)
+                scope = retention.run_of(session, run_id)
+                stored = retention.policies(session, scope[0]) if scope else {}
+            if judged:
+                self.judge_stop_policy(run_id)
+            if rules:
+                self.refresh_tracked_aliases(run_id)
+            if not scope or not stored:
+                return
+            namespace, name = scope
+            catalog = self.catalog
+            if namespace != catalog.namespace:
+                catalog = Catalog(self.db, namespace)
+            if name in stored:
+                self.apply_retention(catalog, stored[name], dry_run=False, strict=False)
+            elif None in stored:
+                own = [run for run in stored if run is not None]
+                self.apply_retention(
+                    catalog, stored[None], dry_run=False, strict=False, exclude_runs=own
+                )
+        except Exception:  # noqa: BLE001 - the next validation of the run catches up
+            logger.exception("housekeeping after a validation of run id %s", run_id)
+
+    def judge_stop_policy(self, run_id: int) -> None:
+        """Judges the run's stop policy (registry/stopping.py): after a merge, and after a
+        validation ended without one (failed, timed out, cancelled), which decides nothing
+        but no longer holds back the run's later results. Never raises."""
+        try:
+            self.stopping.evaluate(run_id)
+        except Exception:  # noqa: BLE001 - the next validation of the run judges again
+            logger.exception("stop policy after a validation of run id %s", run_id)

@@ -1,0 +1,270 @@
+"""The scheduler's queue operations: what is due, claims, leases, outcomes and lost
+leases. A thin layer over the queue, the catalog's metric merge and the transitions;
+``Registry.job_queue``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+
+from validation_service.errors import InvalidInput, RegistryRejected, RetryLimitReached
+from validation_service.jobs import JobStatus
+from validation_service.metrics import normalize_metrics
+from validation_service.registry import transitions
+from validation_service.registry.catalog import Catalog
+from validation_service.registry.database import Database, retry_on_disconnect
+from validation_service.registry.housekeeping import Housekeeping
+from validation_service.registry.models import utcnow
+from validation_service.registry.queue import Queue
+from validation_service.registry.records import ClaimedJob, JobOutcome
+from validation_service.retry import AttemptBudget, RetryPolicy
+
+logger = logging.getLogger(__name__)
+
+
+class JobQueue:
+    """Claims due jobs under leases and records what their attempts led to."""
+
+    def __init__(
+        self,
+        db: Database,
+        catalog: Catalog,
+        queue: Queue,
+        housekeeping: Housekeeping,
+        retry_policy: RetryPolicy,
+    ):
+        self.db = db
+        self.catalog = catalog
+        self.queue = queue
+        self.housekeeping = housekeeping
+        # Decides what a failure leads to when the caller (the scheduler) brings no policy.
+        self.retry_policy = retry_policy
+
+    @retry_on_disconnect
+    def due_pools(self, now: dt.datetime | None = None) -> list[str]:
+        """Pools that have at least one QUEUED job whose not_before has passed."""
+        return self.queue.due_pools(now)
+
+    @retry_on_disconnect
+    def claim_due_jobs(
+        self,
+        owner: str,
+        pool_limits: dict[str, int],
+        *,
+        lease_s: float,
+        default_limit: int = 4,
+        max_jobs: int = 64,
+    ) -> list[ClaimedJob]:
+        """Claims due QUEUED jobs, at most each pool's limit minus its RUNNING jobs.
+
+        Each claimed job moves to RUNNING with a new fencing token and a lease of
+        ``lease_s`` seconds; an attempt row is opened for it.
+        """
+        return self.queue.claim_due(
+            owner, pool_limits, lease_s=lease_s, default_limit=default_limit, max_jobs=max_jobs
+        )
+
+    @retry_on_disconnect
+    def heartbeat(
+        self, owner: str, leases: Iterable[tuple[int, int]], *, lease_s: float
+    ) -> set[int]:
+        """Extends the leases this owner still holds; returns the ids of those jobs.
+
+        A job missing from the result was cancelled or taken over: its attempt must stop.
+        """
+        return self.queue.heartbeat(owner, leases, lease_s=lease_s)
+
+    @retry_on_disconnect
+    def finish_job(
+        self,
+        job_id: int,
+        lease_token: int,
+        outcome: JobOutcome,
+        *,
+        policy: RetryPolicy | None = None,
+    ) -> bool:
+        """Records one attempt's outcome; only the current lease token may do so.
+
+        Success merges the validated metrics into the checkpoint, then moves tracked
+        aliases and applies retention (housekeeping). A failure goes where the retry
+        policy says (``policy``, else this queue's): QUEUED again after a backoff, or
+        FAILED / TIMED_OUT. Returns False, changing nothing, when the token is stale: a
+        newer attempt owns the job.
+        """
+        metrics, outcome = _checked_metrics(outcome)
+        try:
+            finished = self._finish_job(job_id, lease_token, outcome, metrics, policy)
+        except IntegrityError as exc:  # no unique key is written here: a rule of the database
+            raise RegistryRejected(self.db.display_url, exc) from exc
+        if finished is None:
+            return False
+        run_id, status = finished
+        if metrics is not None:
+            # Merged metrics may stop the run, move tracked aliases and let retention delete.
+            self.housekeeping.after_validation(run_id)
+        elif status in (JobStatus.FAILED, JobStatus.TIMED_OUT):
+            # The checkpoints after this one waited for its outcome to be judged.
+            self.housekeeping.judge_stop_policy(run_id)
+        return True
+
+    def _finish_job(
+        self, job_id, lease_token, outcome, metrics, policy
+    ) -> tuple[int, JobStatus] | None:
+        """The job's run id and new status once its outcome is recorded; None for a stale
+        token."""
+        now = utcnow()
+        with self.db.write() as conn:
+            job = transitions.running_job(conn, job_id, lease_token)
+            if job is None:
+                logger.warning(
+                    "discarding the result of job %s with stale lease token %s",
+                    job_id,
+                    lease_token,
+                )
+                return None
+            if metrics is not None:
+                merged = self.catalog.merge_validated(conn, job, metrics)
+                status = JobStatus.SUCCEEDED
+                transitions.finish(
+                    conn,
+                    job,
+                    outcome,
+                    status,
+                    now,
+                    result_metrics=metrics,
+                    checkpoint_columns=merged,
+                )
+            else:
+                decision = (policy or self.retry_policy).after_failure(
+                    budget=AttemptBudget.of(job),
+                    retryable=outcome.retryable,
+                    timed_out=outcome.timed_out,
+                    retry_on_timeout=job.retry_on_timeout,
+                    now=now,
+                )
+                status = JobStatus(decision.status)
+                transitions.finish(
+                    conn, job, outcome, decision.status, now, not_before=decision.not_before
+                )
+        return job.run_id, status
+
+    # ------------------------------------------------------- operators' commands
+    def cancel(self, job_ids: list[int] | None, run_id: int | None, reason: str) -> list[int]:
+        """Cancels the QUEUED and RUNNING jobs among ``job_ids`` (or of the run); a RUNNING
+        one loses its lease at once. The runs' stop policies are judged again: their later
+        results wait no more for the cancelled ones. Returns the ids cancelled."""
+        with self.db.write() as conn:
+            jobs = self.queue.select_jobs(conn, transitions.FROM_STATES["cancel"], job_ids, run_id)
+            cancelled = transitions.cancel(
+                conn,
+                jobs,
+                error_type="Cancelled",
+                message=reason or "cancelled by the user",
+                now=utcnow(),
+            )
+        self._judge_stop_policies({job.run_id for job in jobs if job.id in cancelled})
+        return cancelled
+
+    def retry(
+        self,
+        job_ids: list[int] | None,
+        run_id: int | None,
+        statuses: list[JobStatus],
+        max_retries: int | None,
+    ) -> list[int]:
+        """Requeues the jobs in ``statuses`` among ``job_ids`` (or of the run) with a fresh
+        attempt budget, within ``max_retries`` (see Registry.retry_jobs)."""
+        with self.db.write() as conn:
+            jobs = self.queue.select_jobs(conn, statuses, job_ids, run_id)
+            if max_retries is not None:
+                spent = [j.id for j in jobs if AttemptBudget.of(j).retries_spent(max_retries)]
+                if spent and (job_ids is not None or len(spent) == len(jobs)):
+                    raise RetryLimitReached(spent, max_retries)
+                jobs = [job for job in jobs if job.id not in spent]
+            return transitions.retry(conn, jobs, utcnow(), max_retries=max_retries)
+
+    @retry_on_disconnect
+    def requeue_expired(
+        self, now: dt.datetime | None = None, *, policy: RetryPolicy | None = None
+    ) -> list[int]:
+        """RUNNING jobs whose lease ran out go back to QUEUED (or FAILED when out of attempts)."""
+        now = now or utcnow()
+        ended: set[int] = set()
+        with self.db.write() as conn:
+            jobs = self.queue.expired(conn, now)
+            requeued = self._lost_leases(conn, jobs, policy, now, "expired at {expires}", ended)
+        self._judge_stop_policies(ended)
+        return requeued
+
+    @retry_on_disconnect
+    def release_leases(
+        self, owner_prefix: str, *, keep_owner: str, policy: RetryPolicy | None = None
+    ) -> list[int]:
+        """Requeues RUNNING jobs leased by earlier incarnations of a restarted service.
+
+        Owners are named ``<service name>/<incarnation>``: a restarted service knows
+        its predecessor is dead, so its jobs need not wait for their leases to run out.
+        """
+        now = utcnow()
+        ended: set[int] = set()
+        with self.db.write() as conn:
+            jobs = self.queue.leased_by_others(conn, owner_prefix, keep_owner)
+            what = "released by its restarted service"
+            requeued = self._lost_leases(conn, jobs, policy, now, what, ended)
+        self._judge_stop_policies(ended)
+        return requeued
+
+    def _judge_stop_policies(self, run_ids: set[int]) -> None:
+        """Runs whose validation ended FAILED on a lost lease: their later results no
+        longer wait for it."""
+        for run_id in sorted(run_ids):
+            self.housekeeping.judge_stop_policy(run_id)
+
+    def _lost_leases(
+        self, conn, jobs, policy: RetryPolicy | None, now, what: str, ended: set[int]
+    ) -> list[int]:
+        """Requeues or ends each job; adds the run ids of those that ended to ``ended``."""
+        requeued = []
+        for job in jobs:
+            message = (
+                f"lease held by {job.lease_owner} "
+                f"{what.format(expires=job.lease_expires_at)}; "
+                "the service or node running it was lost"
+            )
+            decision = (policy or self.retry_policy).after_lost_lease(
+                budget=AttemptBudget.of(job),
+                now=min(now, utcnow()),  # a scan "as of" a later time still requeues for now
+            )
+            status, not_before = decision.status, decision.not_before
+            if transitions.expire(conn, job, status, message, now, not_before=not_before):
+                if decision.requeue:
+                    requeued.append(job.id)
+                else:
+                    ended.add(job.run_id)
+        return requeued
+
+
+def _checked_metrics(outcome: JobOutcome) -> tuple[dict[str, Any] | None, JobOutcome]:
+    """A success's metrics, normalized; metrics that cannot be stored fail the attempt."""
+    if not outcome.succeeded:
+        return None, outcome
+    try:
+        return normalize_metrics(outcome.metrics, what="validate_fn's return value"), outcome
+    except InvalidInput as exc:
+        failed = dataclasses.replace(
+            outcome,
+            succeeded=False,
+            metrics=None,
+            error_type="InvalidInput",
+            error_message=str(exc),
+            error_traceback=None,
+            retryable=False,
+            timed_out=False,
+        )
+        return None, failed

@@ -1,0 +1,303 @@
+"""Early stopping in the registry: stop policies stored by run name, the decision taken
+after a validation's result is merged (the rules themselves are in
+validation_service/stopping.py, without a database), and a user's override.
+
+``Registry.stopping``; ``Housekeeping.after_validation`` calls ``evaluate``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any
+
+from sqlalchemy import and_, delete, func, select, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
+
+from validation_service.errors import InvalidInput
+from validation_service.jobs import MetricSource
+from validation_service.registry.aliases import upsert
+from validation_service.registry.catalog import Catalog, check_run_name
+from validation_service.registry.database import Database, retry_on_disconnect
+from validation_service.registry.models import (
+    Checkpoint,
+    MetricValue,
+    Run,
+    StopDecisionRow,
+    StopPolicyRow,
+    utcnow,
+)
+from validation_service.registry.records import StopDecision
+from validation_service.stopping import Observation, PeerCurves, StopPolicy, Verdict, decide
+
+logger = logging.getLogger(__name__)
+
+# The policy's fields, stored under the same names.
+_POLICY_COLUMNS = (
+    "metric",
+    "mode",
+    "patience",
+    "min_delta",
+    "threshold",
+    "divergence",
+    "median_of_runs",
+    "warmup",
+)
+
+
+class StopRules:
+    """Stop policies and decisions of the runs of any namespace of the database; the
+    users' calls name runs of ``catalog``'s namespace."""
+
+    def __init__(self, db: Database, catalog: Catalog):
+        self.db = db
+        self.catalog = catalog
+
+    @retry_on_disconnect
+    def set_policy(self, run: str, policy: StopPolicy | None) -> StopPolicy | None:
+        """Stores (None: removes) the run name's policy; a run that has validated results
+        already is judged on them at once."""
+        check_run_name(run)
+        if policy is not None and not isinstance(policy, StopPolicy):
+            raise InvalidInput(
+                f"set_stop_policy needs a validation_service.StopPolicy (or None to remove "
+                f"the run's policy), got {type(policy).__name__}"
+            )
+        namespace = self.catalog.namespace
+        with self.db.write() as conn:
+            if policy is None:
+                conn.execute(
+                    delete(StopPolicyRow).where(
+                        StopPolicyRow.namespace == namespace, StopPolicyRow.run_name == run
+                    )
+                )
+                return None
+            row: dict[str, Any] = {name: getattr(policy, name) for name in _POLICY_COLUMNS}
+            row.update(namespace=namespace, run_name=run, updated_at=utcnow())
+            upsert(conn, StopPolicyRow.__table__, row, ["namespace", "run_name"])
+        run_id = self.catalog.find_run_id(run)
+        if run_id is not None:
+            self.evaluate(run_id)
+        return policy
+
+    @retry_on_disconnect
+    def policy(self, run: str) -> StopPolicy | None:
+        """The run name's stored policy, or None."""
+        check_run_name(run)
+        with self.db.read() as session:
+            row = session.scalar(
+                select(StopPolicyRow).where(
+                    StopPolicyRow.namespace == self.catalog.namespace,
+                    StopPolicyRow.run_name == run,
+                )
+            )
+        return None if row is None else _policy(row)
+
+    @retry_on_disconnect
+    def decision(self, run: str) -> StopDecision | None:
+        """The latest decision of the run's latest attempt, overridden or not; None when
+        no rule decided, or the run has not reported yet."""
+        run_id = self.catalog.find_run_id(run)
+        if run_id is None:
+            return None
+        with self.db.read() as session:
+            return _latest_decision(session, run_id)
+
+    @retry_on_disconnect
+    def resume(self, run: str) -> StopDecision:
+        """Overrides the standing decision of the run's latest attempt; InvalidInput when
+        it has none."""
+        with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run)
+        with self.db.write() as conn:
+            latest = conn.execute(_decisions_query().where(Run.id == run_id)).all()
+            if not latest or latest[-1].overridden_at is not None:
+                raise InvalidInput(
+                    f"run {run!r} is not stopped: no stop decision to override "
+                    f"(`ckval run {run}` shows its decision)"
+                )
+            resumed_after = _last_report_index(conn, run_id)
+            changed = conn.execute(
+                update(StopDecisionRow)
+                .where(StopDecisionRow.id == latest[-1].id, StopDecisionRow.overridden_at.is_(None))
+                .values(overridden_at=utcnow(), resumed_after_index=resumed_after)
+            )
+            if changed.rowcount != 1:  # another override came first
+                raise InvalidInput(f"run {run!r} is not stopped: it was resumed meanwhile")
+            decision = _latest_decision(conn, run_id)
+        assert decision is not None
+        logger.info("run %r goes on despite its stop decision (%s)", run, decision.reason)
+        return decision
+
+    def has_policy(self, session: Session, run_id: int) -> bool:
+        """Whether the run attempt's name has a stored policy (what evaluate() judges by)."""
+        return _policy_and_run(session, run_id) is not None
+
+    def latest_decisions(self, session: Session) -> dict[int, StopDecision]:
+        """Run id -> its latest decision, for every run of the namespace that has one."""
+        rows = session.execute(decisions_query(self.catalog.namespace)).all()
+        return {row.run_id: _decision(row) for row in rows}
+
+    @retry_on_disconnect
+    def evaluate(self, run_id: int) -> StopDecision | None:
+        """Judges the run attempt by its name's policy, after a validation's result was
+        merged (or failed); stores and returns a new decision, or None. The first decision
+        of a round stays (a unique key), however many validations finish at once."""
+        with self.db.read() as session:
+            found = _policy_and_run(session, run_id)
+            if found is None:
+                return None
+            policy, run = found
+            latest = session.execute(_decisions_query().where(Run.id == run_id)).all()
+            if latest and latest[-1].overridden_at is None:
+                return None  # decided: later results are merged, the decision stays
+            after = latest[-1].resumed_after_index if latest else None
+            seen = _observations(session, run_id, policy.metric, after)
+            peers = _peers(session, run, policy.metric) if policy.median_of_runs else None
+        verdict = decide(policy, seen, peers)
+        if verdict is None:
+            return None
+        round_ = latest[-1].round + 1 if latest else 0
+        with self.db.write() as conn:
+            if not _insert_decision(conn, run_id, round_, policy, verdict):
+                return None
+        if verdict.skipped:
+            logger.info(
+                "run %r: passed over checkpoints %s before deciding",
+                run.name,
+                ", ".join(f"{index} ({why})" for index, why in verdict.skipped),
+            )
+        logger.info("run %r should stop: %s", run.name, verdict.reason)
+        with self.db.read() as session:
+            return _latest_decision(session, run_id)
+
+
+def decisions_query(namespace: str):
+    """Every stop decision of the namespace's runs, by run id and round: the last of a
+    run is its latest (the CLI's fast read runs it too)."""
+    return _decisions_query().where(Run.namespace == namespace)
+
+
+def _decisions_query():
+    return (
+        select(
+            *StopDecisionRow.__table__.c,
+            Run.name.label("run_name"),
+            Run.attempt.label("run_attempt"),
+        )
+        .join(Run, Run.id == StopDecisionRow.run_id)
+        .order_by(StopDecisionRow.run_id, StopDecisionRow.round)
+    )
+
+
+def _latest_decision(session: Session | Connection, run_id: int) -> StopDecision | None:
+    """The last round's decision of the run attempt, or None."""
+    rows = session.execute(_decisions_query().where(Run.id == run_id)).all()
+    return _decision(rows[-1]) if rows else None
+
+
+def _decision(row: Any) -> StopDecision:
+    return StopDecision.from_row(row, row.run_name, row.run_attempt)
+
+
+def _policy(row: StopPolicyRow) -> StopPolicy:
+    return StopPolicy(**{name: getattr(row, name) for name in _POLICY_COLUMNS})
+
+
+def _policy_and_run(session: Session, run_id: int) -> tuple[StopPolicy, Any] | None:
+    """The policy stored for the run attempt's name, and the attempt; None without one."""
+    found = session.execute(
+        select(StopPolicyRow, Run.id, Run.name, Run.namespace)
+        .join(
+            Run,
+            and_(Run.namespace == StopPolicyRow.namespace, Run.name == StopPolicyRow.run_name),
+        )
+        .where(Run.id == run_id)
+    ).first()
+    if found is None:
+        return None
+    return _policy(found[0]), found
+
+
+def _observations(
+    session: Session, run_id: int, metric: str, after_index: int | None
+) -> list[Observation]:
+    """The run attempt's checkpoints (after ``after_index``) as the rules see them."""
+    query = select(
+        Checkpoint.report_index,
+        Checkpoint.step,
+        Checkpoint.validation_status,
+        Checkpoint.validated_metrics,
+    ).where(Checkpoint.run_id == run_id)
+    if after_index is not None:
+        query = query.where(Checkpoint.report_index > after_index)
+    return [
+        Observation(row.report_index, row.step, row.validation_status, _number(row, metric))
+        for row in session.execute(query.order_by(Checkpoint.report_index))
+    ]
+
+
+def _number(row: Any, metric: str) -> float | None:
+    """The checkpoint's validated value of ``metric`` (NaN and infinities included), or
+    None when its validated metrics have no number of that name."""
+    value = (row.validated_metrics or {}).get(metric)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _peers(session: Session, run: Any, metric: str) -> PeerCurves:
+    """The validated values of ``metric`` of the namespace's earlier run attempts (smaller
+    ids), by step (else report index). Only finite values are ranked, so only they count."""
+    position = func.coalesce(Checkpoint.step, Checkpoint.report_index)
+    rows = session.execute(
+        select(MetricValue.run_id, position, MetricValue.value)
+        .join(Checkpoint, Checkpoint.id == MetricValue.checkpoint_id)
+        .join(Run, Run.id == MetricValue.run_id)
+        .where(
+            MetricValue.name == metric,
+            MetricValue.source == MetricSource.VALIDATED.value,
+            Run.namespace == run.namespace,
+            MetricValue.run_id < run.id,
+        )
+        .order_by(MetricValue.run_id, Checkpoint.report_index)
+    )
+    curves: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for run_id, at, value in rows:
+        curves[run_id].append((int(at), float(value)))
+    return PeerCurves(curves)
+
+
+def _insert_decision(
+    conn: Connection, run_id: int, round_: int, policy: StopPolicy, verdict: Verdict
+) -> bool:
+    """INSERT ... ON CONFLICT (run_id, round) DO NOTHING: False when another finisher
+    decided this round first."""
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    statement = insert(StopDecisionRow).values(
+        run_id=run_id,
+        round=round_,
+        rule=verdict.rule,
+        report_index=verdict.report_index,
+        reason=verdict.reason,
+        policy=policy.to_dict(),
+        metric_values=[list(pair) for pair in verdict.values],
+        reference=verdict.reference,
+        skipped=[list(pair) for pair in verdict.skipped],
+        decided_at=utcnow(),
+    )
+    result = conn.execute(statement.on_conflict_do_nothing(index_elements=["run_id", "round"]))
+    return result.rowcount == 1
+
+
+def _last_report_index(conn: Connection, run_id: int) -> int:
+    """The highest report index the run attempt reserved or registered (-1: none)."""
+    reserved = conn.scalar(select(Run.next_report_index).where(Run.id == run_id)) or 0
+    registered = conn.scalar(
+        select(func.max(Checkpoint.report_index)).where(Checkpoint.run_id == run_id)
+    )
+    return max(reserved - 1, -1 if registered is None else registered)
