@@ -20,6 +20,9 @@ from validation_service.names import RULE as NAME_RULE
 from validation_service.names import is_safe_name, suggested_name
 from validation_service.secrets import ckval_env  # noqa: F401 - also imported from here
 
+# More replicas than this only add claim contention on one database.
+MAX_REPLICAS = 16
+
 # Settings given as JSON objects, with an example for the error that says how.
 _JSON_OBJECT_EXAMPLES = {
     "storage_options": '{"endpoint_url": "http://127.0.0.1:9000"}',
@@ -60,6 +63,9 @@ class Settings(BaseSettings):
 
     service_name: str = "ckval-service"
     ray_namespace: str = "ckval"
+    # Service replicas claiming from one registry (PostgreSQL; SQLite has one writer, so
+    # one replica). Each is a detached actor; the first supervises the others.
+    replicas: int = 1
     # Concurrency per resource pool; a pool not named here gets default_pool_size.
     pools: dict[str, int] = Field(default_factory=dict)
     default_pool_size: int = 4
@@ -102,6 +108,16 @@ class Settings(BaseSettings):
     def _seconds(cls, value: float) -> float:
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"must be a number of seconds, 0 or more, got {value!r}")
+        return value
+
+    @field_validator("replicas")
+    @classmethod
+    def _replica_count(cls, value: int) -> int:
+        if not 1 <= value <= MAX_REPLICAS:
+            raise ValueError(
+                f"must be 1 to {MAX_REPLICAS} service replicas, got {value!r}; "
+                "2 or 3 keep validations going when one is lost"
+            )
         return value
 
     # 0 pauses a pool: its jobs stay queued until it is given a size again.
@@ -191,6 +207,17 @@ class Settings(BaseSettings):
         if self.storage:
             return self.storage
         return str(self.resolved_home() / "checkpoints")
+
+    def replicas_for(self, database_url: str) -> int:
+        """How many replicas the service runs on this database; raises InvalidSettings
+        where more than one is set on SQLite."""
+        if self.replicas > 1 and database_url.startswith("sqlite"):
+            raise InvalidSettings(
+                f"CKVAL_REPLICAS={self.replicas} needs a PostgreSQL registry: SQLite lets one "
+                "process write at a time, so replicas would only wait on each other. Set "
+                "CKVAL_REPLICAS=1, or CKVAL_DATABASE_URL=postgresql+psycopg://..."
+            )
+        return self.replicas
 
     def pool_size(self, pool: str) -> int:
         return self.pools.get(pool, self.default_pool_size)

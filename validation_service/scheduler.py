@@ -19,8 +19,10 @@ from validation_service.config import Settings
 from validation_service.errors import RegistryRejected
 from validation_service.executors import AttemptHandle, Executor, default_executors
 from validation_service.jobs import ExecutorKind
+from validation_service.registry.models import utcnow
 from validation_service.registry.records import ClaimedJob, JobOutcome
 from validation_service.registry.registry import Registry
+from validation_service.registry.wakeups import QueueListener
 from validation_service.retry import RetryPolicy
 from validation_service.sinks import SinkDispatcher
 
@@ -30,6 +32,8 @@ logger = logging.getLogger(__name__)
 COALESCE_S = 0.005
 # How often an idle service looks whether the cluster is idle, to keep workers warm.
 KEEP_WARM_S = 2.0
+# The least time between two writes of the replica's row (heartbeat_s may be 0 in tests).
+REPLICA_BEAT_MIN_S = 1.0
 
 
 class Scheduler:
@@ -41,13 +45,17 @@ class Scheduler:
         settings: Settings,
         *,
         owner: str | None = None,
+        name: str | None = None,
         executors: dict[str, Executor] | None = None,
         retry_policy: RetryPolicy | None = None,
     ):
         self.registry = registry
         self.jobs = registry.job_queue
         self.settings = settings
-        self.owner_prefix = f"{settings.service_name}/"
+        # The replica's name (the service's, for the first): its leases' owner prefix, so
+        # a restarted replica releases its own predecessor's leases and no other's.
+        self.name = name or settings.service_name
+        self.owner_prefix = f"{self.name}/"
         incarnation = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.owner = owner or self.owner_prefix + incarnation
         self.executors = executors or default_executors(settings)
@@ -61,6 +69,9 @@ class Scheduler:
         self._last_heartbeat = -math.inf
         self._last_expiry_scan = -math.inf
         self._last_keep_warm = -math.inf
+        self.started_at = utcnow()
+        self._last_replica_beat = -math.inf
+        self._listener: QueueListener | None = None
         # The frameworks the last run's warm-up named; kept warm between runs.
         self._warm_modules: tuple[str, ...] | None = None
         self.stats = {
@@ -71,6 +82,7 @@ class Scheduler:
             "recovered": 0,
             "warmed": 0,
             "ticks": 0,
+            "notified": 0,
         }
         # Logs SUCCEEDED jobs' metrics to the configured trackers (MLflow, W&B), off the loop.
         self.sinks = SinkDispatcher.from_settings(settings, registry, self.stats)
@@ -151,6 +163,23 @@ class Scheduler:
             self.recover()
         except Exception:  # noqa: BLE001 - leases also expire on their own
             logger.exception("recovering earlier leases failed")
+        if QueueListener.applies_to(self.registry.engine):
+            self._listener = QueueListener(self.registry.engine, self._notified).start()
+        try:
+            self._loop()
+        finally:
+            if self._listener is not None:
+                self._listener.stop()
+        self._cancel_all()
+        self.sinks.close()
+        self._beat_replica(stopped=True)
+        logger.info("scheduler %s stopped", self.owner)
+
+    def _notified(self) -> None:
+        self.stats["notified"] += 1
+        self._wake.set()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 self.tick()
@@ -161,9 +190,6 @@ class Scheduler:
                 # Let a burst of nudges and completions share one tick.
                 self._stop.wait(COALESCE_S)
             self._wake.clear()
-        self._cancel_all()
-        self.sinks.close()
-        logger.info("scheduler %s stopped", self.owner)
 
     # ----------------------------------------------------------------- loop
     def tick(self) -> None:
@@ -286,7 +312,30 @@ class Scheduler:
                 ),
             )
 
+    def _beat_replica(self, stopped: bool = False) -> None:
+        """Writes this replica's row (who, where, how fresh) for status and /metrics."""
+        now = time.monotonic()
+        if not stopped and now - self._last_replica_beat < REPLICA_BEAT_MIN_S:
+            return
+        self._last_replica_beat = now
+        try:
+            if stopped:
+                self.registry.replicas.stopped(self.name, self.owner)
+                return
+            self.registry.replicas.beat(
+                name=self.name,
+                service_name=self.settings.service_name,
+                owner=self.owner,
+                pid=os.getpid(),
+                hostname=socket.gethostname(),
+                node_id=_ray_node_id(),
+                started_at=self.started_at,
+            )
+        except Exception:  # noqa: BLE001 - status only; the leases are what count
+            logger.warning("writing replica %s's heartbeat failed", self.name, exc_info=True)
+
     def _heartbeat(self) -> None:
+        self._beat_replica()
         leases = [(job_id, h.job.lease_token) for job_id, (_, h) in self._in_flight.items()]
         if not leases:
             return
@@ -304,3 +353,12 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - best effort on shutdown
                 logger.exception("cancelling job %s on shutdown failed", handle.job.job_id)
         self._in_flight.clear()
+
+
+def _ray_node_id() -> str | None:
+    """The Ray node this process runs on, or None outside Ray."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()

@@ -13,6 +13,7 @@ import ray
 
 from validation_service.config import Settings, get_settings
 from validation_service.logs import configure_logging
+from validation_service.registry.replicas import replica_name
 from validation_service.secrets import (
     SECRET_FIELDS,
     ckval_env,
@@ -31,21 +32,35 @@ class _ServiceActor:
     and dashboard show an actor's runtime_env, never its arguments.
     """
 
-    def __init__(self, settings_json: str):
+    def __init__(self, settings_json: str, replica: int = 0):
         from validation_service.registry.registry import Registry
         from validation_service.scheduler import Scheduler
 
         configure_logging()
         self.settings = Settings.model_validate_json(settings_json)
+        self.replica = replica
+        self.name = replica_name(self.settings.service_name, replica)
         # Only an embedded SQLite is migrated here; a server database is migrated as a
         # deploy step (`ckval db upgrade`), so a service never races a migration.
         self.registry = Registry(settings=self.settings)
-        self.scheduler = Scheduler(self.registry, self.settings)
+        self.scheduler = Scheduler(self.registry, self.settings, name=self.name)
         self.started_at = time.time()
         self._thread = threading.Thread(
             target=self.scheduler.run_forever, name="ckval-scheduler", daemon=True
         )
         self._thread.start()
+        # The first replica starts the others, and starts again any that is gone.
+        self.supervisor = None
+        if replica == 0:
+            self._forget_replicas_past(self.settings.replicas)
+            self.supervisor = ReplicaSupervisor(self.settings, settings_json)
+
+    def _forget_replicas_past(self, count: int) -> None:
+        """The registry forgets replicas an earlier, larger service ran."""
+        try:
+            self.registry.replicas.forget(self.settings.service_name, keep=count)
+        except Exception:  # noqa: BLE001 - status only
+            logger.warning("forgetting earlier replicas failed", exc_info=True)
 
     def nudge(self) -> None:
         self.scheduler.wake()
@@ -75,8 +90,24 @@ class _ServiceActor:
         they could read the workers' environment."""
         return self.settings.model_dump_json()
 
-    def status(self) -> dict[str, Any]:
+    def replica_status(self) -> dict[str, Any]:
+        """This replica's own part of the status."""
         return {
+            "name": self.name,
+            "owner": self.scheduler.owner,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "alive": self._thread.is_alive(),
+            "in_flight": self.scheduler.in_flight,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            **self.scheduler.stats,
+        }
+
+    def status(self) -> dict[str, Any]:
+        replicas = self.supervisor.replicas(self.registry) if self.supervisor else []
+        return {
+            "replicas_set": len(replicas) or 1,
+            "replicas": replicas,
             "owner": self.scheduler.owner,
             "database_url": self.registry.display_url,
             "storage": mask_url(self.settings.resolved_storage()),
@@ -90,6 +121,8 @@ class _ServiceActor:
         }
 
     def shutdown(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         self.scheduler.stop()
         self._thread.join(timeout=30)
 
@@ -147,20 +180,8 @@ class ValidationService:
         """
         update = {"database_url": database_url, "storage": storage, "pools": pools, **overrides}
         settings = _settled(settings or get_settings(), update)
-        actor_cls = ray.remote(_ServiceActor)
-        actor = actor_cls.options(
-            name=settings.service_name,
-            namespace=settings.ray_namespace,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            # On the head node: autoscaling never takes it away with an idle worker.
-            resources={"node:__internal_head__": 0.001},
-            max_restarts=-1,
-            max_task_retries=-1,
-            max_concurrency=16,
-            runtime_env={"env_vars": ckval_env()},
-        ).remote(settings.model_dump_json())
+        settings.replicas_for(settings.resolved_database_url())
+        actor = replica_actor(settings, settings.model_dump_json(), 0)
         handle = ServiceHandle(actor, settings)
         running = Settings.model_validate_json(ray.get(actor.settings_json.remote(), timeout=120))
         # settings_json() masks the URL: compare masked (a password does not change which
@@ -185,6 +206,120 @@ class ValidationService:
         except ValueError:
             return None
         return ServiceHandle(actor, settings)
+
+
+def replica_actor(settings: Settings, settings_json: str, replica: int):
+    """Starts replica ``replica`` of the service (or finds it running): a detached actor
+    that Ray restarts when its process dies. The first runs on the head node (autoscaling
+    never takes it away with an idle worker); the others spread over the cluster's nodes,
+    so that one node's loss leaves a replica claiming."""
+    placement: dict[str, Any] = {"scheduling_strategy": "SPREAD"}
+    if replica == 0:
+        placement = {"resources": {"node:__internal_head__": 0.001}}
+    return (
+        ray.remote(_ServiceActor)
+        .options(
+            name=replica_name(settings.service_name, replica),
+            namespace=settings.ray_namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=-1,
+            max_task_retries=-1,
+            max_concurrency=16,
+            runtime_env={"env_vars": ckval_env()},
+            **placement,
+        )
+        .remote(settings_json, replica)
+    )
+
+
+class ReplicaSupervisor:
+    """Kept by the first replica: starts replicas 1..N-1, and every heartbeat starts again
+    any that is gone (Ray restarts a replica whose process died; this covers one whose
+    actor Ray gave up, say with its node). Its status lists every replica."""
+
+    def __init__(self, settings: Settings, settings_json: str):
+        self.settings = settings
+        self.settings_json = settings_json
+        self.count = settings.replicas
+        self._actors: dict[int, Any] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckval-replicas", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.ensure()
+            except Exception:  # noqa: BLE001 - tried again at the next heartbeat
+                logger.warning("starting service replicas failed", exc_info=True)
+            self._stop.wait(max(self.settings.heartbeat_s, 1.0))
+
+    def ensure(self) -> None:
+        for replica in range(1, self.count):
+            name = replica_name(self.settings.service_name, replica)
+            try:
+                self._actors[replica] = ray.get_actor(name, namespace=self.settings.ray_namespace)
+            except ValueError:
+                logger.warning("service replica %s is gone; starting it", name)
+                self._actors[replica] = replica_actor(self.settings, self.settings_json, replica)
+
+    def replicas(self, registry) -> list[dict[str, Any]]:
+        """Every replica: its row in the registry (pid, node, leases, last heartbeat) and
+        whether its actor answers now."""
+        names = [replica_name(self.settings.service_name, i) for i in range(self.count)]
+        answers = {name: self._answer(name) for name in names}
+        rows = {row.name: row for row in registry.replicas.list(self.settings.service_name)}
+        return [_replica_entry(name, rows.get(name), answers[name]) for name in names]
+
+    def _answer(self, name: str) -> dict[str, Any] | None:
+        try:
+            actor = ray.get_actor(name, namespace=self.settings.ray_namespace)
+            return ray.get(actor.replica_status.remote(), timeout=REPLICA_ANSWER_S)
+        except Exception:  # noqa: BLE001 - a replica that does not answer is not alive
+            return None
+
+    def stop(self) -> None:
+        """Stops replicas 1..N-1 (the first stops itself)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for replica in range(1, self.count):
+            name = replica_name(self.settings.service_name, replica)
+            try:
+                actor = ray.get_actor(name, namespace=self.settings.ray_namespace)
+            except ValueError:
+                continue
+            try:
+                ray.get(actor.shutdown.remote(), timeout=60)
+            finally:
+                ray.kill(actor, no_restart=True)
+
+
+# How long status waits for a replica's answer before it counts as not alive.
+REPLICA_ANSWER_S = 5.0
+
+
+def _replica_entry(name: str, row, answer: dict[str, Any] | None) -> dict[str, Any]:
+    """One replica in status: what it answered, else what its last heartbeat wrote."""
+    entry: dict[str, Any] = {"name": name, "alive": answer is not None and answer["alive"]}
+    if row is not None:
+        entry.update(
+            owner=row.owner,
+            pid=row.pid,
+            node_id=row.node_id,
+            hostname=row.hostname,
+            leases=row.leases,
+            last_heartbeat=row.heartbeat_at.isoformat(),
+            heartbeat_age_s=round(row.heartbeat_age_s(), 1),
+            stopped=row.stopped_at is not None,
+        )
+    if answer is not None:
+        entry.update(owner=answer["owner"], pid=answer["pid"], node_id=answer["node_id"])
+        entry.update(in_flight=answer["in_flight"], uptime_s=answer["uptime_s"])
+    entry.setdefault("pid", None)
+    entry.setdefault("node_id", None)
+    return entry
 
 
 _ray_lock = threading.Lock()

@@ -38,6 +38,7 @@ from validation_service.errors import RegistryUnavailable
 from validation_service.jobs import TERMINAL_JOB_STATUSES, JobStatus, RunStatus
 from validation_service.registry.models import utcnow
 from validation_service.registry.registry import Registry
+from validation_service.registry.replicas import ReplicaRecord
 from validation_service.registry.stats import Buckets, JobTimes, MetricsSnapshot, QueueHealth
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ class RegistryCollector(Collector):
         try:
             with self._lock:
                 snapshot = self._read()
+                replicas = self.registry.replicas.list(self.settings.service_name)
                 durations = self.durations.family(
                     "ckval_validation_duration_seconds",
                     "Validation time of jobs that ended, first claim to end (retries included).",
@@ -140,6 +142,7 @@ class RegistryCollector(Collector):
         yield durations
         yield latencies
         yield from self._service_health(snapshot.health)
+        yield from _replica_metrics(replicas, self.settings.lease_s)
 
     def _read(self) -> MetricsSnapshot:
         """This scrape's snapshot, with the jobs changed since the last one counted."""
@@ -214,6 +217,29 @@ class RegistryCollector(Collector):
         if health.live_leases:
             return 1, "registry"
         return int(not health.expired_leases and not health.overdue_queued), "registry"
+
+
+def _replica_metrics(replicas: list[ReplicaRecord], lease_s: float) -> Iterator[Metric]:
+    """Per replica of the service, from the rows their heartbeats write."""
+    now = utcnow()
+    up = GaugeMetricFamily(
+        "ckval_replica_up",
+        "1 when the service replica's last heartbeat is younger than a lease, else 0.",
+        labels=["replica"],
+    )
+    age = GaugeMetricFamily(
+        "ckval_replica_heartbeat_age_seconds",
+        "Seconds since the service replica's last heartbeat.",
+        labels=["replica"],
+    )
+    leases = GaugeMetricFamily(
+        "ckval_replica_leases", "RUNNING jobs the service replica holds.", labels=["replica"]
+    )
+    for replica in replicas:
+        up.add_metric([replica.name], int(replica.fresh(lease_s, now)))
+        age.add_metric([replica.name], replica.heartbeat_age_s(now))
+        leases.add_metric([replica.name], replica.leases)
+    yield from (up, age, leases)
 
 
 def _queue_metrics(snapshot: MetricsSnapshot) -> Iterator[Metric]:

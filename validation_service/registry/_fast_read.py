@@ -75,6 +75,7 @@ CHECKED_SETTINGS = frozenset(
     {
         "storage_options",
         "pools",
+        "replicas",
         "default_pool_size",
         "lease_s",
         "heartbeat_s",

@@ -308,3 +308,22 @@ class StopDecisionRow(Base):
     overridden_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
     # The last report index reserved when the override came: later rounds look after it.
     resumed_after_index: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class ServiceReplica(Base):
+    """One replica of a service: who claims from this registry, where, and how fresh its
+    last heartbeat is. Written by the replica at start and at every heartbeat."""
+
+    __tablename__ = "service_replicas"
+    __table_args__ = (Index("ix_service_replicas_service", "service_name"),)
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    service_name: Mapped[str] = mapped_column(String(255))
+    # The lease owner of the replica's current incarnation (its jobs' lease_owner).
+    owner: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    hostname: Mapped[str] = mapped_column(String(255))
+    node_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    stopped_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)

@@ -140,9 +140,11 @@ class Queue:
         expires = now + dt.timedelta(seconds=lease_s)
         claimed: list[ClaimedJob] = []
         with self.db.write() as conn:
-            running = dict(conn.execute(_RUNNING_PER_POOL).all())
             for pool in _due_pools(conn, now):
-                free = pool_limits.get(pool, default_limit) - running.get(pool, 0)
+                # The cap is the cluster's: replicas claiming the same pool take turns.
+                _lock_pool(conn, pool)
+                running = conn.execute(_RUNNING_IN_POOL, {"b_pool": pool}).scalar_one()
+                free = pool_limits.get(pool, default_limit) - running
                 free = min(free, max_jobs - len(claimed))
                 if free <= 0:
                     continue
@@ -259,11 +261,22 @@ _DUE_POOLS = text(
     FROM queued WHERE pool IS NOT NULL
     """
 ).bindparams(bindparam("now", type_=_jobs.c.not_before.type))
-_RUNNING_PER_POOL = (
-    select(_jobs.c.pool, func.count(_jobs.c.id))
-    .where(_jobs.c.status == JobStatus.RUNNING.value)
-    .group_by(_jobs.c.pool)
+_RUNNING_IN_POOL = select(func.count(_jobs.c.id)).where(
+    _jobs.c.status == JobStatus.RUNNING.value, _jobs.c.pool == bindparam("b_pool")
 )
+
+
+def _lock_pool(conn: Connection, pool: str) -> None:
+    """On PostgreSQL, holds the pool's claim lock to the end of the transaction, so that
+    replicas count the pool's running jobs one after another (a count read under another
+    replica's uncommitted claim would let both fill the same free slots). Pools are
+    visited in name order, so two replicas never wait on each other in a cycle. SQLite
+    needs none: its write transaction holds the database."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(_POOL_LOCK, {"b_key": f"ckval-pool:{pool}"})
+
+
+_POOL_LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended(:b_key, 0))")
 
 
 def claimed_job(row, expires: dt.datetime) -> ClaimedJob:

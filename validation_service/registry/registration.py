@@ -23,7 +23,7 @@ from sqlalchemy.engine import Connection
 
 from validation_service.jobs import MetricSource
 from validation_service.metrics import rankable
-from validation_service.registry import transitions
+from validation_service.registry import transitions, wakeups
 from validation_service.registry.catalog import Catalog, checkpoint_row, counter_past
 from validation_service.registry.models import (
     Checkpoint,
@@ -68,7 +68,7 @@ def _register_in_one_statement(
             request, 0, row["run_id"], row["report_index"], row["created_at"]
         )
         params.update({f"j_{name}": job_row[name] for name in _job_columns()})
-    checkpoint_id, job_id, _, _ = conn.execute(
+    checkpoint_id, job_id, *_ = conn.execute(
         _one_statement_registration(request is not None), params
     ).one()
     return checkpoint_id, job_id
@@ -100,12 +100,16 @@ def _one_statement_registration(with_job: bool):
         .returning(Run.__table__.c.id)
         .cte("counter_moved")
     )
-    return select(
+    columns = [
         new_checkpoint.c.id,
         job_id,
         select(func.count()).select_from(new_values).scalar_subquery(),
         select(func.count()).select_from(counter_moved).scalar_subquery(),
-    )
+    ]
+    if with_job:
+        # The replicas' wake-up (wakeups.py), sent at commit, in the same round trip.
+        columns.append(wakeups.NOTIFY.scalar_subquery())
+    return select(*columns)
 
 
 def _new_metric_values(new_checkpoint):

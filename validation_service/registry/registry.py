@@ -46,6 +46,7 @@ from validation_service.registry.records import (
     RunSummary,
     StopDecision,
 )
+from validation_service.registry.replicas import ReplicaBook
 from validation_service.registry.stopping import StopRules
 from validation_service.retry import RetryPolicy
 from validation_service.stopping import StopPolicy
@@ -92,6 +93,7 @@ class Registry:
             RetryPolicy.from_settings(self.settings),
         )
         self.dashboard = DashboardReader(self.db, self.catalog)
+        self.replicas = ReplicaBook(self.db)
         if check_schema:
             self.db.check_schema(self.db.is_sqlite() if upgrade is None else upgrade)
 

@@ -31,6 +31,7 @@ from validation_service.jobs import (
 )
 from validation_service.registry.models import Checkpoint, Run, ValidationAttempt, ValidationJob
 from validation_service.registry.records import JobOutcome
+from validation_service.registry.wakeups import wake_replicas
 from validation_service.request import ValidationRequest
 from validation_service.retry import counted_from_after_retry
 
@@ -118,7 +119,9 @@ def enqueue(
 ) -> int:
     """Adds the checkpoint's job (the caller set the checkpoint PENDING); returns its id."""
     row = enqueue_row(request, checkpoint_id, run_id, report_index, now)
-    return conn.execute(_INSERT_JOB, row).scalar_one()
+    job_id = conn.execute(_INSERT_JOB, row).scalar_one()
+    wake_replicas(conn)
+    return job_id
 
 
 # -------------------------------------------------------------------- claim
@@ -225,6 +228,8 @@ def finish(
             "error_message": None if outcome.succeeded else outcome.error_message,
         },
     )
+    # A slot of the pool is free (or the job is due again): other replicas may claim.
+    wake_replicas(conn)
 
 
 # ------------------------------------------------------------------- expire
@@ -259,6 +264,7 @@ def expire(
         return False
     _close_attempts(conn, [job], JobStatus.FAILED, message, now)
     _mirror(conn, [job.checkpoint_id], status)
+    wake_replicas(conn)
     return True
 
 
@@ -288,6 +294,8 @@ def cancel(
     running = [job for job in cancelled if job.status == JobStatus.RUNNING.value]
     _close_attempts(conn, running, JobStatus.CANCELLED, message, now)
     _mirror(conn, [job.checkpoint_id for job in cancelled], JobStatus.CANCELLED)
+    if running:
+        wake_replicas(conn)
     return [job.id for job in cancelled]
 
 
@@ -312,6 +320,8 @@ def retry(
     }
     requeued = _move(conn, jobs, "retry", values)
     _mirror(conn, [job.checkpoint_id for job in requeued], JobStatus.QUEUED)
+    if requeued:
+        wake_replicas(conn)
     return [job.id for job in requeued]
 
 
@@ -387,6 +397,10 @@ _RUNNING_JOB_TO_FINISH = (
         _jobs.c.lease_token == bindparam("b_lease_token"),
         _in_from_states("finish"),
     )
+    # PostgreSQL: the row stays locked until the outcome is written, so a replica that
+    # expires or claims the job meanwhile waits, then sees it finished (the fence holds
+    # between the check and the write). SQLite's write transaction holds the database.
+    .with_for_update(of=_jobs)
 )
 _UPDATE_JOB = update(_jobs).where(_jobs.c.id == bindparam("b_job_id"))
 _UPDATE_CHECKPOINT = update(_checkpoints).where(_checkpoints.c.id == bindparam("b_checkpoint_id"))
