@@ -163,8 +163,12 @@ def test_trains_on_a100_nodes_and_validates_one_at_a_time_on_a10g_nodes(cluster_
     )
 
 
-def test_a10g_validations_scale_the_cluster_up_from_zero_and_back(cluster_program):
+def test_a10g_validations_scale_the_cluster_up_from_zero_and_back(
+    cluster_program, postgres_server_url
+):
     count = 4
+    # Two service replicas on PostgreSQL; the one holding a validation's lease is killed.
+    Registry(postgres_server_url, upgrade=True).close()
     summary = cluster_program.run(
         "autoscaling.py",
         "--checkpoints",
@@ -175,6 +179,10 @@ def test_a10g_validations_scale_the_cluster_up_from_zero_and_back(cluster_progra
         "0.1",
         "--scale-down-timeout-s",
         "90",
+        "--replicas",
+        "2",
+        "--database-url",
+        postgres_server_url,
     )
     changes = summary["a10g_node_count_changes"]
     assert summary["a10g_nodes_at_start"] == 0 and changes[0][1] == 0
@@ -183,10 +191,20 @@ def test_a10g_validations_scale_the_cluster_up_from_zero_and_back(cluster_progra
     seen = set(summary["a10g_nodes_seen"])
     assert 1 <= len(seen) <= 2
 
-    registry = cluster_program.registry()
+    registry = Registry(postgres_server_url)
     jobs = registry.validations(summary["run"])
     assert [j.status for j in jobs] == ["SUCCEEDED"] * count
-    attempts = [a for job in jobs for a in job.attempt_history]
+    for job in jobs:
+        assert [a.status for a in job.attempt_history].count("SUCCEEDED") == 1
+    killed = summary["replica_killed"]
+    [taken_over] = [j for j in jobs if j.id == killed["job_id"]]
+    assert taken_over.attempt_history[0].lease_owner.startswith(killed["name"] + "/")
+    assert len(taken_over.attempt_history) >= 2
+    # Ray restarted the killed replica: both answer, the killed one from a new process.
+    assert [r["alive"] for r in summary["replicas_after"]] == [True, True]
+    [again] = [r for r in summary["replicas_after"] if r["name"] == killed["name"]]
+    assert again["pid"] != killed["pid"]
+    attempts = [a for job in jobs for a in job.attempt_history if a.status == "SUCCEEDED"]
     # Each ran on a node the autoscaler added for it: none existed when it was reported.
     assert attempts and {a.node_id for a in attempts} <= seen, [a.node_id for a in attempts]
     assert all(

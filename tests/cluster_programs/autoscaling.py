@@ -187,6 +187,35 @@ class A10GNodeSampler(threading.Thread):
         self.join(timeout=5)
 
 
+def kill_a_replica_holding_a_lease(service, registry, run: str) -> dict:
+    """kill -9 of the replica that holds a RUNNING validation's lease."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        running = [j for j in registry.validations(run) if j.status == "RUNNING"]
+        if running:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("no validation ran within 120 s")
+    job = running[0]
+    owner = job.lease_owner.split("/")[0]
+    [replica] = [r for r in service.status()["replicas"] if r["name"] == owner]
+    os.kill(replica["pid"], signal.SIGKILL)
+    _harness.log(f"killed replica {owner} (pid {replica['pid']}) holding job {job.id}")
+    return {"name": owner, "pid": replica["pid"], "job_id": job.id}
+
+
+def replicas_answering(service, count: int, timeout_s: float = 120) -> list[dict]:
+    """The replicas once all of them answer again (Ray restarts a killed one)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        replicas = service.status()["replicas"]
+        alive = [r for r in replicas if r["alive"]]
+        if len(alive) == count or time.monotonic() > deadline:
+            return [{"name": r["name"], "pid": r["pid"], "alive": r["alive"]} for r in replicas]
+        time.sleep(0.5)
+
+
 def save_checkpoint(model: torch.nn.Module, directory: str) -> None:
     os.makedirs(directory)
     torch.save(model.state_dict(), os.path.join(directory, "model.pt"))
@@ -198,9 +227,19 @@ def main() -> int:
     parser.add_argument("--hold-s", type=float, default=2.0)
     parser.add_argument("--idle-timeout-min", type=float, default=0.1)
     parser.add_argument("--scale-down-timeout-s", type=float, default=90.0)
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="service replicas (PostgreSQL at --database-url); with 2 or more, the "
+        "replica holding a validation's lease is killed (kill -9) while it runs",
+    )
+    parser.add_argument("--database-url", default=None, help="else CKVAL_HOME's SQLite")
     args = parser.parse_args()
 
     home = _harness.ckval_home()
+    if args.database_url:
+        os.environ["CKVAL_DATABASE_URL"] = args.database_url
     ray_tmpdir = _harness.private_ray_tmpdir()
     summary: dict = {"scenario": "autoscaling", "home": str(home), "ray_tmpdir": ray_tmpdir}
     timings: dict[str, float] = {}
@@ -235,7 +274,9 @@ def main() -> int:
         if summary["a10g_nodes_at_start"] != 0:
             raise AssertionError(f"{summary['a10g_nodes_at_start']} A10G nodes before any work")
         sampler.start()
-        service = ValidationService.start(pools={A10G: MAX_A10G_NODES})
+        service = ValidationService.start(
+            pools={A10G: MAX_A10G_NODES}, replicas=args.replicas, heartbeat_s=1.0, lease_s=10.0
+        )
 
         run = f"autoscale-{os.getpid()}"
         client = Client(run)
@@ -266,7 +307,11 @@ def main() -> int:
         timings["reports_s"] = round(time.monotonic() - t0, 1)
 
         registry = Registry()
+        if args.replicas > 1:
+            summary["replica_killed"] = kill_a_replica_holding_a_lease(service, registry, run)
         registry.wait(run, timeout_s=240)
+        if args.replicas > 1:
+            summary["replicas_after"] = replicas_answering(service, args.replicas)
         timings["validations_s"] = round(time.monotonic() - t0, 1)
         sampler.count()
         peak = max(count for _, count in sampler.samples)
