@@ -11,13 +11,21 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+from sqlalchemy import bindparam, exists, select
+
 from validation_service.config import Settings
 from validation_service.errors import UnknownMetric
 from validation_service.registry import aliases as alias_store
 from validation_service.registry import retention
 from validation_service.registry.catalog import Catalog
 from validation_service.registry.database import Database, retry_on_disconnect
-from validation_service.registry.models import utcnow
+from validation_service.registry.models import (
+    RetentionPolicy,
+    Run,
+    StopPolicyRow,
+    TrackedAlias,
+    utcnow,
+)
 from validation_service.registry.records import CheckpointRecord
 from validation_service.registry.stopping import StopRules
 
@@ -93,17 +101,17 @@ class Housekeeping:
             # One read finds out whether anything is to do (usually nothing): no write
             # transaction per finished validation without a policy or rules.
             with self.db.read() as session:
-                judged = self.stopping.has_policy(session, run_id)
-                rules = alias_store.tracking_rules(session, run_id)
-                scope = retention.run_of(session, run_id)
-                stored = retention.policies(session, scope[0]) if scope else {}
-            if judged:
+                todo = session.execute(_TO_DO_AFTER_VALIDATION, {"b_run_id": run_id}).first()
+                if todo is None:  # the run is gone
+                    return
+                stored = retention.policies(session, todo.namespace) if todo.retained else {}
+            if todo.judged:
                 self.judge_stop_policy(run_id)
-            if rules:
+            if todo.tracked:
                 self.refresh_tracked_aliases(run_id)
-            if not scope or not stored:
+            if not stored:
                 return
-            namespace, name = scope
+            namespace, name = todo.namespace, todo.name
             catalog = self.catalog
             if namespace != catalog.namespace:
                 catalog = Catalog(self.db, namespace)
@@ -125,3 +133,18 @@ class Housekeeping:
             self.stopping.evaluate(run_id)
         except Exception:  # noqa: BLE001 - the next validation of the run judges again
             logger.exception("stop policy after a validation of run id %s", run_id)
+
+
+# What follows a run attempt's merged metrics, in one round trip: its namespace and name,
+# and whether its name has a stop policy, it has tracked aliases, its namespace has
+# retention policies.
+_runs = Run.__table__
+_TO_DO_AFTER_VALIDATION = select(
+    _runs.c.namespace,
+    _runs.c.name,
+    exists()
+    .where(StopPolicyRow.namespace == _runs.c.namespace, StopPolicyRow.run_name == _runs.c.name)
+    .label("judged"),
+    exists().where(TrackedAlias.run_id == _runs.c.id).label("tracked"),
+    exists().where(RetentionPolicy.namespace == _runs.c.namespace).label("retained"),
+).where(_runs.c.id == bindparam("b_run_id"))

@@ -280,9 +280,3 @@ def policies(session: Session, namespace: str) -> dict[str | None, RetentionRule
 
 # The rule's fields stored under the same names (``run`` is stored as run_name).
 _POLICY_COLUMNS = ("metric", "mode", "keep_best", "keep_best_per_run", "keep_latest")
-
-
-def run_of(session: Session, run_id: int) -> tuple[str, str] | None:
-    """(namespace, name) of a run attempt, or None if it is gone."""
-    row = session.execute(select(Run.namespace, Run.name).where(Run.id == run_id)).first()
-    return None if row is None else (row.namespace, row.name)

@@ -130,10 +130,6 @@ class StopRules:
         logger.info("run %r goes on despite its stop decision (%s)", run, decision.reason)
         return decision
 
-    def has_policy(self, session: Session, run_id: int) -> bool:
-        """Whether the run attempt's name has a stored policy (what evaluate() judges by)."""
-        return _policy_and_run(session, run_id) is not None
-
     def latest_decisions(self, session: Session) -> dict[int, StopDecision]:
         """Run id -> its latest decision, for every run of the namespace that has one."""
         rows = session.execute(decisions_query(self.catalog.namespace)).all()
