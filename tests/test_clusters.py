@@ -225,3 +225,35 @@ def test_a10g_validations_scale_the_cluster_up_from_zero_and_back(
         f"all gone {summary['timings'].get('scale_down_wait_s')}s after the validations "
         f"were done; timings {summary['timings']}, wall {summary['wall_s']}s"
     )
+
+
+def test_a_replicas_node_is_lost_and_every_validation_still_ends_once(
+    cluster_program, postgres_server_url
+):
+    Registry(postgres_server_url, upgrade=True).close()
+    reports = 8
+    summary = cluster_program.run(
+        "replica_nodes.py", "--database-url", postgres_server_url, "--reports", str(reports)
+    )
+    before, after = summary["replica_nodes_before"], summary["replica_nodes_after"]
+    first, second = sorted(before)
+    # The replicas ran on different nodes: the first on the head, the second on a worker.
+    assert before[first] == summary["head_node"]
+    assert before[second] in summary["worker_nodes"]
+    assert summary["node_removed"] == before[second]
+    assert after[second] != before[second]
+
+    registry = Registry(postgres_server_url)
+    jobs = registry.validations(summary["run"])
+    assert [j.status for j in jobs] == ["SUCCEEDED"] * reports
+    for job in jobs:
+        assert [a.status for a in job.attempt_history].count("SUCCEEDED") == 1
+    for checkpoint in registry.checkpoints(summary["run"]):
+        assert checkpoint.validated_metrics["index"] == checkpoint.report_index
+        assert checkpoint.validated_metrics["node"] != summary["node_removed"]
+    figure(
+        f"replica nodes: second replica's node removed with validations in flight; "
+        f"{reports}/{reports} validated once, "
+        f"{sum(len(j.attempt_history) for j in jobs) - reports} attempt(s) run again; "
+        f"timings {summary['timings']}, wall {summary['wall_s']}s"
+    )
