@@ -218,3 +218,34 @@ def test_replica_rows_say_who_serves_with_its_leases(registry):
 
 def test_settings_default_to_one_replica():
     assert Settings().replicas == 1
+
+
+def test_a_finish_retried_after_its_commit_counts_as_done_once(registry):
+    # The connection can drop after the server committed a finish and before the answer
+    # came back; retry_on_disconnect then runs the finish again with the same token.
+    run_id = registry.ledger.ensure_run("retried-finish", storage_root="/ckpts")
+    job_id = register(registry, run_id, 0)
+    [claimed] = registry.job_queue.claim_due_jobs("svc/1", {}, lease_s=60)
+    outcome = JobOutcome(succeeded=True, metrics={"acc": 0.5})
+    assert registry.job_queue.finish_job(job_id, claimed.lease_token, outcome)
+    assert registry.job_queue.finish_job(job_id, claimed.lease_token, outcome)
+    failed = JobOutcome(succeeded=False, error_type="E", error_message="late", retryable=False)
+    assert not registry.job_queue.finish_job(job_id, claimed.lease_token, failed)
+
+    [record] = registry.validations("retried-finish")
+    assert record.status == JobStatus.SUCCEEDED.value and record.result_metrics == {"acc": 0.5}
+    assert [a.status for a in record.attempt_history] == ["SUCCEEDED"]
+    [checkpoint] = registry.checkpoints("retried-finish")
+    assert checkpoint.validated_metrics == {"acc": 0.5}
+
+
+def test_claims_whose_answer_was_lost_are_released_by_their_owner(registry):
+    run_id = registry.ledger.ensure_run("lost-claim", storage_root="/ckpts")
+    ids = [register(registry, run_id, index) for index in range(3)]
+    claimed = registry.job_queue.claim_due_jobs("svc/1", {}, lease_s=600)
+    assert sorted(job.job_id for job in claimed) == ids
+    # The scheduler launched the first; the answer naming the other two never arrived.
+    assert registry.job_queue.release_unlaunched("svc/1", [ids[0]]) == ids[1:]
+    assert registry.job_queue.release_unlaunched("svc/1", [ids[0]]) == []
+    statuses = {job.id: job.status for job in registry.validations("lost-claim")}
+    assert statuses == {ids[0]: "RUNNING", ids[1]: "QUEUED", ids[2]: "QUEUED"}

@@ -336,6 +336,11 @@ class Scheduler:
 
     def _heartbeat(self) -> None:
         self._beat_replica()
+        unlaunched = self.jobs.release_unlaunched(
+            self.owner, self._in_flight, policy=self.retry_policy
+        )
+        if unlaunched:
+            logger.warning("requeued jobs claimed but never launched: %s", unlaunched)
         leases = [(job_id, h.job.lease_token) for job_id, (_, h) in self._in_flight.items()]
         if not leases:
             return

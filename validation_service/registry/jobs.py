@@ -121,6 +121,11 @@ class JobQueue:
         now = utcnow()
         with self.db.write() as conn:
             job = transitions.running_job(conn, job_id, lease_token)
+            if job is None and metrics is not None:
+                # A retry after a lost connection: the first try may have committed.
+                run_id = transitions.succeeded_run_id(conn, job_id, lease_token)
+                if run_id is not None:
+                    return run_id, JobStatus.SUCCEEDED
             if job is None:
                 logger.warning(
                     "discarding the result of job %s with stale lease token %s",
@@ -216,6 +221,27 @@ class JobQueue:
         with self.db.write() as conn:
             jobs = self.queue.leased_by_others(conn, owner_prefix, keep_owner)
             what = "released by its restarted service"
+            requeued = self._lost_leases(conn, jobs, policy, now, what, ended)
+        self._judge_stop_policies(ended)
+        return requeued
+
+    @retry_on_disconnect
+    def release_unlaunched(
+        self, owner: str, launched: Iterable[int], *, policy: RetryPolicy | None = None
+    ) -> list[int]:
+        """Requeues RUNNING jobs leased by ``owner`` that it is not running: a claim that
+        committed while its answer was lost (the connection dropped at COMMIT), so the
+        scheduler never launched them. Called from the owner's own loop, between claims."""
+        launched = set(launched)
+        # A read first: as a rule there is nothing to release.
+        with self.db.read() as session:
+            if not self.queue.leased_by(session, owner, exclude=launched):
+                return []
+        now = utcnow()
+        ended: set[int] = set()
+        with self.db.write() as conn:
+            jobs = self.queue.leased_by(conn, owner, exclude=launched)
+            what = "claimed, but its claim's answer was lost"
             requeued = self._lost_leases(conn, jobs, policy, now, what, ended)
         self._judge_stop_policies(ended)
         return requeued

@@ -183,6 +183,15 @@ class Queue:
             )
         ).all()
 
+    def leased_by(self, conn: Connection | Session, owner: str, exclude: set[int]) -> list[Row]:
+        """RUNNING jobs leased by ``owner``, but those in ``exclude``."""
+        rows = conn.execute(
+            select(*LEASE_COLUMNS).where(
+                _jobs.c.status == JobStatus.RUNNING.value, _jobs.c.lease_owner == owner
+            )
+        ).all()
+        return [row for row in rows if row.id not in exclude]
+
     def select_jobs(
         self,
         conn: Connection,

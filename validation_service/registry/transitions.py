@@ -181,6 +181,20 @@ def running_job(conn: Connection, job_id: int, lease_token: int) -> Row | None:
     ).one_or_none()
 
 
+def succeeded_run_id(conn: Connection, job_id: int, lease_token: int) -> int | None:
+    """The job's run id when the attempt of this lease token is recorded SUCCEEDED: only
+    that token's own finish writes it, so a retried finish that finds it had committed."""
+    return conn.execute(
+        select(_jobs.c.run_id)
+        .join(_attempts, _attempts.c.job_id == _jobs.c.id)
+        .where(
+            _jobs.c.id == job_id,
+            _attempts.c.lease_token == lease_token,
+            _attempts.c.status == JobStatus.SUCCEEDED.value,
+        )
+    ).scalar_one_or_none()
+
+
 def finish(
     conn: Connection,
     job: Row,
