@@ -3,6 +3,7 @@ registry served by uvicorn; its bad inputs, pagination and `ckval ui` without a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import math
@@ -21,6 +22,7 @@ import uvicorn
 from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
+from validation_service import StopPolicy
 from validation_service.api import create_app
 from validation_service.cli import main as ckval_main
 from validation_service.config import Settings
@@ -119,7 +121,14 @@ def served(tmp_path: Path) -> Iterator[Served]:
         },
     )
     queued = _register_more(registry, tmp_path, "alpha", 5, 0.4)
+    with _serving(registry) as url:
+        yield Served(registry, url, queued)
+    registry.close()
 
+
+@contextlib.contextmanager
+def _serving(registry: Registry) -> Iterator[str]:
+    """The API over ``registry``, served by uvicorn on a loopback port in a thread."""
     port = _free_port()
     config = uvicorn.Config(
         create_app(SETTINGS, registry), host="127.0.0.1", port=port, log_level="warning"
@@ -128,10 +137,11 @@ def served(tmp_path: Path) -> Iterator[Served]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     _wait_until(lambda: server.started, "uvicorn start")
-    yield Served(registry, f"http://127.0.0.1:{port}", queued)
-    server.should_exit = True
-    thread.join(timeout=30)
-    registry.close()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def _register_more(registry: Registry, root: Path, run: str, index: int, loss: float) -> int:
@@ -258,6 +268,59 @@ def test_run_page_updates_when_a_validation_finishes(served: Served, page):
     assert page.text_content(f"#jobs tr[data-job='{served.queued_job}'] .status") == "SUCCEEDED"
     if os.environ.get("CKVAL_WRITE_SCREENSHOT") == "1":
         page.screenshot(path=str(REPO / "docs" / "dashboard.png"), full_page=True)
+
+
+STOPPED_ACCURACY = [0.70, 0.80, 0.79, 0.78]  # patience 2: decided at report 3
+
+
+def test_run_page_marks_the_stop_decision_and_its_override(tmp_path: Path, page):
+    """A policy decides on a real registry (the job's finish judges it); each plot of the
+    run draws a line at the deciding report, labelled with the rule and the values, and
+    the label says so once the decision is overridden."""
+    registry = Registry(f"sqlite:///{tmp_path}/registry.db")
+    registry.set_stop_policy("gamma", StopPolicy("accuracy", patience=2))
+    jobs = _register(registry, tmp_path, "gamma", [0.9, 0.8, 0.7, 0.6])
+    _finish(registry, {job: _validated(a) for job, a in zip(jobs, STOPPED_ACCURACY, strict=True)})
+    decision = registry.stop_decision("gamma")
+    assert (decision.rule, decision.report_index, decision.stopped) == ("patience", 3, True)
+    with _serving(registry) as url:
+        page.goto(f"{url}/ui/runs/gamma")
+        marker = page.locator(".plot[data-metric='accuracy'] .stop-marker")
+        marker.wait_for()
+        assert marker.get_attribute("data-report-index") == "3"
+        assert marker.get_attribute("data-stopped") == "true"
+        assert marker.locator(".stop-rule").inner_text() == "stop: patience at report 3"
+        values = marker.locator(".stop-values").inner_text()
+        assert values == "accuracy 0.8 (report 1), 0.79 (report 2), 0.78 (report 3); best 0.8"
+        assert "did not improve on 0.8 (report 1)" in marker.get_attribute("title")
+        # Drawn where the plot puts report 3, on every metric's plot.
+        left = page.evaluate(
+            "[window.ckval.plots.accuracy.valToPos(3, 'x'), parseFloat(document.querySelector("
+            "\".plot[data-metric='accuracy'] .stop-marker\").style.left)]"
+        )
+        assert left[0] > 0 and abs(left[0] - left[1]) < 0.5, left
+        assert page.locator(".plot .stop-marker").count() == 3  # accuracy, loss, grad_norm
+        note = page.text_content("#stop-decision")
+        assert "Stop policy: accuracy (max): patience 2." in note
+        assert "Decision: accuracy did not improve" in note
+
+        registry.resume_despite_stop("gamma")
+        page.evaluate("window.ckval.refreshNow()")
+        _wait_for(page, "window.ckval.data.stop_decision.stopped === false")
+        _wait_for(
+            page,
+            "document.querySelector(\".plot[data-metric='accuracy'] .stop-marker\")"
+            ".dataset.stopped === 'false'",
+        )
+        rule = marker.locator(".stop-rule").inner_text()
+        assert rule == "stop: patience at report 3 · overridden, resumed after report 3"
+        assert "training resumed after report 3" in page.text_content("#stop-decision")
+    registry.close()
+
+
+def test_run_data_has_no_stop_marker_without_a_policy(client: TestClient):
+    content = client.get("/ui/api/runs/alpha").json()
+    assert content["stop_policy"] is None and content["stop_decision"] is None
 
 
 def test_api_docs_page_lists_the_routes_and_loads_nothing_from_another_site(served: Served, page):

@@ -16,7 +16,14 @@ from validation_service.jobs import JobStatus
 from validation_service.registry.records import CheckpointRecord
 from validation_service.registry.registry import Registry
 from validation_service.registry.stats import Mode, RunPage, default_mode
-from validation_service.views import iso, job_json, labelled_checkpoint_json, run_record_json
+from validation_service.views import (
+    iso,
+    job_json,
+    labelled_checkpoint_json,
+    run_record_json,
+    stop_decision_json,
+    stop_policy_json,
+)
 
 # More runs than this in one plot is unreadable; the page says so instead of drawing it.
 MAX_COMPARED_RUNS = 20
@@ -61,7 +68,8 @@ def runs_json(page: RunPage, base: str) -> dict[str, Any]:
 
 
 def run_json(registry: Registry, run: str, base: str) -> dict[str, Any]:
-    """One run: its record, a series per metric, its checkpoints and its jobs."""
+    """One run: its record, a series per metric, its checkpoints and its jobs, and its
+    stop policy with the latest decision of its latest attempt (the plots mark it)."""
     record = registry.dashboard.run_record(run)
     checkpoints = registry.checkpoints(run)
     jobs = registry.dashboard.run_jobs(run)
@@ -73,6 +81,8 @@ def run_json(registry: Registry, run: str, base: str) -> dict[str, Any]:
         "series": series_by_metric(checkpoints),
         "checkpoints": [labelled_checkpoint_json(c) for c in checkpoints],
         "jobs": [job_json(job) for job in jobs],
+        "stop_policy": stop_policy_json(registry.stop_policy(run)),
+        "stop_decision": stop_decision_json(registry.stop_decision(run)),
     }
 
 

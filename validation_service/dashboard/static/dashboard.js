@@ -214,6 +214,7 @@
       height: 240,
       scales: { x: { time: false } },
       axes: [{ label: "report index", incrs: REPORT_TICKS }, {}],
+      hooks: { draw: [drawStopMarker] },
       series: [
         { label: "report" },
         { label: "reported", stroke: "#94a3b8", width: 1.5, spanGaps: true,
@@ -227,6 +228,59 @@
     const plot = new uPlot(options, plotData(series), box);
     plot.titleNode = title.querySelector(".best");
     return plot;
+  }
+
+  // The run's stop decision on every plot: a dashed line at the deciding report, labelled
+  // with the rule, the values that decided and the override. Redrawn with the plot (uPlot's
+  // draw hook), from the page's latest data.
+  function drawStopMarker(plot) {
+    const decision = ckval.data && ckval.data.stop_decision;
+    let marker = plot.over.querySelector(".stop-marker");
+    if (!decision) {
+      if (marker) marker.remove();
+      return;
+    }
+    if (!marker) {
+      marker = el("div", { class: "stop-marker" }, el("span", { class: "stop-rule" }),
+        el("span", { class: "stop-values" }));
+      plot.over.append(marker);
+    }
+    const left = plot.valToPos(decision.report_index, "x");
+    const right = left > plot.over.clientWidth / 2;
+    const color = decision.stopped ? "#ea580c" : "#6b7280";
+    marker.dataset.reportIndex = decision.report_index;
+    marker.dataset.rule = decision.rule;
+    marker.dataset.stopped = decision.stopped;
+    marker.title = stopText(decision);
+    marker.style.cssText = `position:absolute;top:0;bottom:0;left:${left}px;width:0;` +
+      `border-left:2px dashed ${color};pointer-events:auto;z-index:5;` +
+      (left < 0 || left > plot.over.clientWidth ? "display:none;" : "");
+    const [rule, values] = marker.children;
+    rule.textContent = `stop: ${decision.rule} at report ${decision.report_index}` +
+      (decision.stopped ? "" : ` · overridden, resumed after report ${decision.resumed_after_index}`);
+    values.textContent = stopValues(decision);
+    const side = right ? "right:4px;text-align:right;" : "left:4px;";
+    const label = `position:absolute;${side}font-size:11px;line-height:1.25;color:${color};` +
+      "background:rgba(255,255,255,.85);padding:0 3px;white-space:nowrap;";
+    rule.style.cssText = `${label}top:2px;font-weight:600;`;
+    values.style.cssText = `${label}top:16px;`;
+  }
+
+  function stopValues(decision) {
+    const metric = decision.policy ? `${decision.policy.metric} ` : "";
+    const values = decision.values.map((v) => `${fmt(v.value)} (report ${v.report_index})`);
+    const compared = { threshold: "target", median_of_runs: "median" }[decision.rule] || "best";
+    const reference = decision.reference === null ? "" : `; ${compared} ${fmt(decision.reference)}`;
+    return `${metric}${values.join(", ")}${reference}`;
+  }
+
+  function stopText(decision) {
+    let text = `${decision.reason} (decided ${decision.decided_at})`;
+    if (!decision.stopped) {
+      text += `; overridden ${decision.overridden_at}, training resumed after report ` +
+        `${decision.resumed_after_index}`;
+    }
+    return text;
   }
 
   function plotData(series) {
@@ -346,7 +400,19 @@
       }));
     }
 
+    function drawStopNote(data) {
+      const node = document.getElementById("stop-decision");
+      const policy = data.stop_policy, decision = data.stop_decision;
+      const parts = [];
+      if (policy) parts.push(`Stop policy: ${policy.description}.`);
+      if (decision) parts.push(`Decision: ${stopText(decision)}.`);
+      else if (policy) parts.push("No decision yet.");
+      node.hidden = !parts.length;
+      node.textContent = parts.join(" ");
+    }
+
     function draw(data) {
+      drawStopNote(data);
       drawPlots(data);
       drawTimeline(data);
       drawTables(data);
