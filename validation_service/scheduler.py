@@ -216,10 +216,13 @@ class Scheduler:
     def _claim_and_launch(self) -> None:
         # A read first: the write transaction of a claim only when a pool has due work
         # and room, so nudges and polls do not contend with reporters for the write lock.
-        busy = self._busy_by_pool()
-        if not any(
-            busy.get(pool, 0) < self.settings.pool_size(pool) for pool in self.jobs.due_pools()
-        ):
+        # One replica knows what runs; replicas read the pools' running jobs (a report
+        # wakes every replica, and most of them find the pools full).
+        due = self.jobs.due_pools()
+        if not due:
+            return
+        busy = self._busy_by_pool() if self.settings.replicas == 1 else self.jobs.running_per_pool()
+        if not any(busy.get(pool, 0) < self.settings.pool_size(pool) for pool in due):
             return
         claimed = self.jobs.claim_due_jobs(
             self.owner,

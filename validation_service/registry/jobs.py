@@ -52,6 +52,11 @@ class JobQueue:
         return self.queue.due_pools(now)
 
     @retry_on_disconnect
+    def running_per_pool(self) -> dict[str, int]:
+        """RUNNING jobs per pool, whoever holds them (replicas share the pools' caps)."""
+        return self.queue.running_per_pool()
+
+    @retry_on_disconnect
     def claim_due_jobs(
         self,
         owner: str,

@@ -126,6 +126,10 @@ class Queue:
         with self.db.read() as session:
             return _due_pools(session, now or utcnow())
 
+    def running_per_pool(self) -> dict[str, int]:
+        with self.db.read() as session:
+            return dict(session.execute(_RUNNING_PER_POOL).all())
+
     # ------------------------------------------------------- claims, leases
     def claim_due(
         self,
@@ -270,6 +274,11 @@ _DUE_POOLS = text(
     FROM queued WHERE pool IS NOT NULL
     """
 ).bindparams(bindparam("now", type_=_jobs.c.not_before.type))
+_RUNNING_PER_POOL = (
+    select(_jobs.c.pool, func.count(_jobs.c.id))
+    .where(_jobs.c.status == JobStatus.RUNNING.value)
+    .group_by(_jobs.c.pool)
+)
 _RUNNING_IN_POOL = select(func.count(_jobs.c.id)).where(
     _jobs.c.status == JobStatus.RUNNING.value, _jobs.c.pool == bindparam("b_pool")
 )

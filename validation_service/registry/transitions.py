@@ -242,8 +242,6 @@ def finish(
             "error_message": None if outcome.succeeded else outcome.error_message,
         },
     )
-    # A slot of the pool is free (or the job is due again): other replicas may claim.
-    wake_replicas(conn)
 
 
 # ------------------------------------------------------------------- expire
@@ -278,7 +276,6 @@ def expire(
         return False
     _close_attempts(conn, [job], JobStatus.FAILED, message, now)
     _mirror(conn, [job.checkpoint_id], status)
-    wake_replicas(conn)
     return True
 
 

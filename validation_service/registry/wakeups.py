@@ -1,7 +1,10 @@
-"""Wake-ups without polling on PostgreSQL: every transaction that makes a job due, or frees
-a pool's slot, sends NOTIFY on one channel at its commit, and each service replica LISTENs
-on its own connection and ticks at once. Polling stays as the fallback (a lost connection,
-SQLite, a notification sent while a replica reconnects)."""
+"""Wake-ups without polling on PostgreSQL: every transaction that queues a job (a report, a
+retry) or frees a pool's slot from outside the service (a cancel) sends NOTIFY on one
+channel at its commit, and each service replica LISTENs on its own connection and ticks at
+once. A replica's own finishes and lease expiries send none: that replica ticks next and
+claims for the slot itself, and waking the others would only have them read the queue for
+nothing. Polling stays as the fallback (a lost connection, SQLite, a notification sent
+while a replica reconnects)."""
 
 from __future__ import annotations
 
