@@ -179,8 +179,11 @@ class ValidationService:
         the CKVAL_* variables that hold no secret go into its runtime_env.
         """
         update = {"database_url": database_url, "storage": storage, "pools": pools, **overrides}
-        settings = _settled(settings or get_settings(), update)
-        settings.replicas_for(settings.resolved_database_url())
+        settings = settings or get_settings()
+        # Refused before Ray is started or anything written.
+        given = settings.model_copy(update={k: v for k, v in update.items() if v is not None})
+        given.replicas_for(given.resolved_database_url())
+        settings = _settled(settings, update)
         actor = replica_actor(settings, settings.model_dump_json(), 0)
         handle = ServiceHandle(actor, settings)
         running = Settings.model_validate_json(ray.get(actor.settings_json.remote(), timeout=120))
