@@ -503,22 +503,7 @@ def test_ckval_ui_serves_dashboard_and_metrics_without_ray(tmp_path: Path):
     registry = Registry(f"sqlite:///{tmp_path}/registry.db")
     _register(registry, tmp_path, "alpha", [0.9])
     registry.close()
-    port = _free_port()
-    env = {
-        **os.environ,
-        "CKVAL_DATABASE_URL": f"sqlite:///{tmp_path}/registry.db",
-        "PYTHONPATH": str(REPO),
-    }
-    program = "from validation_service.dashboard.cli import ui_command; ui_command()"
-    process = subprocess.Popen(
-        [sys.executable, "-c", program, "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_until(lambda: _answers(f"{base}/healthz"), "ckval ui answering", timeout_s=120)
+    with _ckval_ui(tmp_path, "127.0.0.1", os.environ) as base:
         with urllib.request.urlopen(f"{base}/ui/") as response:
             assert b"ckval" in response.read()
         with urllib.request.urlopen(f"{base}/metrics") as response:
@@ -528,33 +513,39 @@ def test_ckval_ui_serves_dashboard_and_metrics_without_ray(tmp_path: Path):
             urllib.request.urlopen(f"{base}/service")
         assert raised.value.code == 503
         assert b"Ray is not initialized" in raised.value.read()
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def test_ckval_ui_answers_the_host_it_serves_on(tmp_path: Path):
     """`ckval ui --host 127.0.0.2`: a browser sends that address as Host, and it is one
     the API answers (not only localhost and CKVAL_HTTP_HOST)."""
     Registry(f"sqlite:///{tmp_path}/registry.db").close()
+    env = {k: v for k, v in os.environ.items() if k not in ("CKVAL_HTTP_HOST", "CKVAL_API_HOSTS")}
+    with _ckval_ui(tmp_path, "127.0.0.2", env) as base:
+        with urllib.request.urlopen(f"{base}/ui/") as response:
+            assert response.status == 200 and b"ckval" in response.read()
+
+
+@contextlib.contextmanager
+def _ckval_ui(tmp_path: Path, host: str, env: dict[str, str]):
+    """`ckval ui --host HOST` on a free port over tmp_path's registry, in a process of its
+    own; yields its base URL once /healthz answers, and stops it after."""
     port = _free_port()
     env = {
-        **{k: v for k, v in os.environ.items() if k not in ("CKVAL_HTTP_HOST", "CKVAL_API_HOSTS")},
+        **env,
         "CKVAL_DATABASE_URL": f"sqlite:///{tmp_path}/registry.db",
         "PYTHONPATH": str(REPO),
     }
     program = "from validation_service.dashboard.cli import ui_command; ui_command()"
     process = subprocess.Popen(
-        [sys.executable, "-c", program, "--host", "127.0.0.2", "--port", str(port)],
+        [sys.executable, "-c", program, "--host", host, "--port", str(port)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    base = f"http://127.0.0.2:{port}"
+    base = f"http://{host}:{port}"
     try:
         _wait_until(lambda: _answers(f"{base}/healthz"), "ckval ui answering", timeout_s=120)
-        with urllib.request.urlopen(f"{base}/ui/") as response:
-            assert response.status == 200 and b"ckval" in response.read()
+        yield base
     finally:
         process.terminate()
         process.wait(timeout=30)
