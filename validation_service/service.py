@@ -216,9 +216,10 @@ def replica_actor(settings: Settings, settings_json: str, replica: int):
     that Ray restarts when its process dies. The first runs on the head node (autoscaling
     never takes it away with an idle worker); the others spread over the cluster's nodes,
     so that one node's loss leaves a replica claiming."""
-    placement: dict[str, Any] = {"scheduling_strategy": "SPREAD"}
     if replica == 0:
-        placement = {"resources": {"node:__internal_head__": 0.001}}
+        placement: dict[str, Any] = {"resources": {"node:__internal_head__": 0.001}}
+    else:
+        placement = {"scheduling_strategy": _replica_placement(replica)}
     return (
         ray.remote(_ServiceActor)
         .options(
@@ -235,6 +236,22 @@ def replica_actor(settings: Settings, settings_json: str, replica: int):
         )
         .remote(settings_json, replica)
     )
+
+
+def _replica_placement(replica: int):
+    """Where replica ``replica`` (1..N-1) starts: a worker node, not the head node where the
+    first replica runs; replicas take the alive worker nodes in turn. Soft: with no worker
+    node (one machine), or when that node is gone, Ray places it wherever it fits. Ray's
+    SPREAD strategy alone may put it on the head node, next to the first replica."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head = ray.get_runtime_context().get_node_id()
+    workers = sorted(
+        node["NodeID"] for node in ray.nodes() if node.get("Alive") and node["NodeID"] != head
+    )
+    if not workers:
+        return "SPREAD"
+    return NodeAffinitySchedulingStrategy(workers[(replica - 1) % len(workers)], soft=True)
 
 
 class ReplicaSupervisor:
