@@ -493,10 +493,14 @@ def test_ckval_ui_refuses_an_open_address_without_a_token(tmp_path: Path, monkey
 
 
 def test_ckval_ui_names_a_database_it_cannot_open(tmp_path: Path):
-    missing = f"sqlite:///{tmp_path}/no-such-dir/registry.db"
-    result = CliRunner().invoke(ui_command, ["--port", "1"], env={"CKVAL_DATABASE_URL": missing})
+    # A missing folder is created (the embedded default needs that), so the registry's
+    # folder here is a file: nothing can be created under it.
+    (tmp_path / "a-file").write_text("")
+    unusable = f"sqlite:///{tmp_path}/a-file/registry.db"
+    port = str(_free_port())  # were it to open, it would serve there, not on a port in use
+    result = CliRunner().invoke(ui_command, ["--port", port], env={"CKVAL_DATABASE_URL": unusable})
     assert result.exit_code == 1
-    assert "no-such-dir" in result.output
+    assert "a-file" in result.output and "cannot be created" in result.output
 
 
 def test_ckval_ui_serves_dashboard_and_metrics_without_ray(tmp_path: Path):
