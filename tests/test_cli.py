@@ -518,6 +518,17 @@ def test_without_a_ray_cluster_status_and_stop_start_none(without_ray, tmp_path,
     assert not list((tmp_path / "ray-tmp").glob("**/session_*"))
 
 
+def test_serve_detach_without_a_ray_cluster_is_refused_and_starts_none(without_ray, tmp_path):
+    """A Ray that `serve --detach` started itself would stop with the command, and the
+    service with it: a later `ckval status` would find nothing."""
+    prefix, env = without_ray
+    state, out, err = run_cli_probe(prefix, env, "serve", "--detach")
+    assert state == {"exit": 1, "ray_initialized": False}, err
+    assert "--detach leaves the service on a running Ray cluster" in err
+    assert "no Ray cluster found" in err and "ray start --head --port 6380" in err
+    assert not list((tmp_path / "ray-tmp").glob("**/session_*"))
+
+
 @pytest.mark.parametrize("command", ["status", "stop"])
 def test_a_configured_address_where_no_ray_answers(tmp_path, command):
     with socket.socket() as probe:

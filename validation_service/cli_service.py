@@ -45,7 +45,11 @@ def demo(epochs: int, workers: int, run_name: str | None) -> None:
     default=None,
     help="Port of the HTTP API (default CKVAL_HTTP_PORT, 8780).",
 )
-@click.option("--detach", is_flag=True, help="Start the service on the cluster and return.")
+@click.option(
+    "--detach",
+    is_flag=True,
+    help="Start the service on a running Ray cluster and return.",
+)
 @click.pass_context
 def serve(
     ctx: click.Context,
@@ -65,6 +69,8 @@ def serve(
         from validation_service.api import check_bind
 
         check_bind(settings)  # before Ray starts: an open API without a token never runs
+    if detach:
+        _connect_to_a_lasting_cluster(settings)
     handle = ValidationService.start(
         storage=storage, pools=_parse_pools(pools) or None, settings=settings
     )
@@ -79,6 +85,25 @@ def serve(
             time.sleep(30)
     except KeyboardInterrupt:
         pass
+
+
+def _connect_to_a_lasting_cluster(settings: Settings) -> None:
+    """`serve --detach` leaves the service on a running cluster. A Ray it started itself
+    would stop when the command returns, and take the service with it: refused, with
+    nothing started."""
+    from validation_service._ray_cluster import connect_existing_ray
+    from validation_service.errors import RayClusterNotFound
+
+    try:
+        connect_existing_ray(settings)
+    except RayClusterNotFound as exc:
+        raise click.ClickException(
+            f"--detach leaves the service on a running Ray cluster, and {exc.reason}: a Ray "
+            "started by this command would stop when it returns, and the service with it. "
+            "Start one first (`ray start --head --port 6380`, then CKVAL_RAY_ADDRESS=auto), "
+            "or point CKVAL_RAY_ADDRESS at yours; or run `ckval serve` without --detach, "
+            "which keeps its local Ray until Ctrl-C."
+        ) from exc
 
 
 def _serve_http(settings: Settings) -> None:
