@@ -115,8 +115,8 @@ def windows(jobs) -> list[tuple[dt.datetime, dt.datetime]]:
 
 
 def test_trains_on_a100_nodes_and_validates_one_at_a_time_on_a10g_nodes(cluster_program):
-    epochs = 5
-    summary = cluster_program.run("heterogeneous.py", "--epochs", str(epochs), "--hold-s", "1.5")
+    epochs = 3
+    summary = cluster_program.run("heterogeneous.py", "--epochs", str(epochs), "--hold-s", "1.0")
     a100, a10g = set(summary["a100_nodes"]), set(summary["a10g_nodes"])
     assert len(a100) == 2 and len(a10g) == 2 and not a100 & a10g
     assert summary["train_error"] is None

@@ -68,17 +68,17 @@ def assert_under_home(home: Path, *folders: str) -> None:
 
 def test_ckval_demo(tmp_path):
     ckval = str(Path(sys.executable).with_name("ckval"))
-    out = run([ckval, "demo", "--epochs", "3", "--run", "demo-test"], tmp_path, with_stderr=True)
+    out = run([ckval, "demo", "--epochs", "2", "--run", "demo-test"], tmp_path, with_stderr=True)
     assert_quiet(out)
     assert "top-3 checkpoints by validated accuracy" in out
     # Progress while training and after: plain lines (the output is no terminal).
-    assert "ckval run 'demo-test': 3 reported, 0 queued, 0 running, 3 succeeded, 0 failed" in out
+    assert "ckval run 'demo-test': 2 reported, 0 queued, 0 running, 2 succeeded, 0 failed" in out
     progress = [line for line in out.splitlines() if line.startswith("ckval run 'demo-test'")]
     assert 1 <= len(progress) <= 8 and len(set(progress)) == len(progress)
     assert_under_home(tmp_path, "demo-test")
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     records = registry.checkpoints("demo-test")
-    assert [r.validation_status for r in records] == ["VALIDATED"] * 3
+    assert [r.validation_status for r in records] == ["VALIDATED"] * 2
     # The run ended with the Ray Train run: `ckval runs` shows it FINISHED, not RUNNING.
     [summary] = registry.run_summaries()
     assert (summary.run.status, summary.run.ended_at is not None) == ("FINISHED", True)
@@ -91,7 +91,7 @@ def test_ckval_demo(tmp_path):
 def test_ckval_demo_exits_non_zero_naming_a_failed_validation(tmp_path):
     program = (
         "from validation_service.demo import run_demo; "
-        "run_demo(epochs=2, run_name='demo-fails', fail_epochs={1})"
+        "run_demo(epochs=2, num_workers=1, run_name='demo-fails', fail_epochs={1})"
     )
     out = run([sys.executable, "-c", program], tmp_path, with_stderr=True, returncode=1)
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
@@ -140,8 +140,9 @@ def test_benchmark_registry_smoke(tmp_path):
 
 def test_benchmark_async_validation_smoke(tmp_path):
     out_file = tmp_path / "async.md"
-    # Every way but native-sync, which is native's code with Ray's other upload mode.
-    ways = ("inline", "native", "ckval", "ckval-async")
+    # The call users write (ckval-async) and the strongest configuration of Ray's own
+    # (native: ASYNC upload); the measured runs in benchmarks/README.md run every way.
+    ways = ("native", "ckval-async")
     run(
         [sys.executable, "benchmarks/bench_async_validation.py", "--smoke", "--ways", *ways]
         + ["--out", str(out_file)],
@@ -156,13 +157,15 @@ def test_benchmark_async_validation_smoke(tmp_path):
 
 def test_benchmark_executors_smoke(tmp_path):
     out_file = tmp_path / "executors.md"
+    # TorchTrainerValidator, a Ray Train run per validation, is left to tests/test_validators.py.
+    executors = ["--executors", "ray-task", "map-batches"]
     out = run(
-        [sys.executable, "benchmarks/bench_executors.py", "--smoke", "--out", str(out_file)],
+        [sys.executable, "benchmarks/bench_executors.py", "--smoke", *executors]
+        + ["--out", str(out_file)],
         tmp_path,
         timeout=600,
     )
     table = out_file.read_text()
     assert "| ray task | 2/2 |" in table and "| MapBatchesValidator | 2/2 |" in table
-    assert "| TorchTrainerValidator | 1/1 |" in table
     assert "Accuracy check: every executor, on every copy, computed" in table
     assert "validated/min" in out
