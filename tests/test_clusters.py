@@ -231,9 +231,15 @@ def test_a_replicas_node_is_lost_and_every_validation_still_ends_once(
     cluster_program, postgres_server_url
 ):
     Registry(postgres_server_url, upgrade=True).close()
-    reports = 8
+    reports = 6
     summary = cluster_program.run(
-        "replica_nodes.py", "--database-url", postgres_server_url, "--reports", str(reports)
+        "replica_nodes.py",
+        "--database-url",
+        postgres_server_url,
+        "--reports",
+        str(reports),
+        "--hold-s",
+        "1.5",
     )
     before, after = summary["replica_nodes_before"], summary["replica_nodes_after"]
     first, second = sorted(before)

@@ -32,7 +32,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[1]
-EPOCHS = 3
+EPOCHS = 2
 
 
 # ------------------------------------------------------------------ model, data, validation

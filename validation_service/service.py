@@ -240,9 +240,11 @@ def replica_actor(settings: Settings, settings_json: str, replica: int):
 
 def _replica_placement(replica: int):
     """Where replica ``replica`` (1..N-1) starts: a worker node, not the head node where the
-    first replica runs; replicas take the alive worker nodes in turn. Soft: with no worker
-    node (one machine), or when that node is gone, Ray places it wherever it fits. Ray's
-    SPREAD strategy alone may put it on the head node, next to the first replica."""
+    first replica runs; replicas take the alive worker nodes in turn, and with none (one
+    machine) Ray spreads them. Ray's SPREAD alone may put one on the head node, next to
+    the first replica, and so would a soft affinity while a new node's resources are not
+    yet in the scheduler's view. When that node is lost, Ray cannot restart the replica
+    there and gives it up; the supervisor then starts it again on a node that is alive."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     head = ray.get_runtime_context().get_node_id()
@@ -251,7 +253,7 @@ def _replica_placement(replica: int):
     )
     if not workers:
         return "SPREAD"
-    return NodeAffinitySchedulingStrategy(workers[(replica - 1) % len(workers)], soft=True)
+    return NodeAffinitySchedulingStrategy(workers[(replica - 1) % len(workers)], soft=False)
 
 
 class ReplicaSupervisor:

@@ -129,7 +129,10 @@ def main() -> int:
             cluster.remove_node(nodes.pop(lost_node), allow_graceful=False)
             _harness.log(f"removed node {lost_node} of {second}")
         else:
-            raise AssertionError(f"{second} runs on the head node {lost_node}, not a worker")
+            raise AssertionError(
+                f"{second} runs on node {lost_node}, not on a worker node {sorted(nodes)} "
+                f"(head {cluster.head_node.node_id}); replicas: {replicas}"
+            )
 
         registry.wait(run, timeout_s=300)
         timings["validated_after_removal_s"] = round(time.monotonic() - removed_at, 1)
