@@ -158,7 +158,7 @@ def test_tensorflow_trainer_callback_validates_every_checkpoint_then_resume_by_h
 ):
     from ray.data import from_items
 
-    epochs, fail_index = 3, 1
+    epochs, fail_index = 4, 2
     items = [{"x": x / 200, "y": line(x / 200)} for x in range(200)]
     result = fit(
         train_with_callback,
