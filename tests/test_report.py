@@ -398,6 +398,7 @@ def warming_service(ray_session, tmp_path):
         storage=str(tmp_path / "checkpoints"),
         service_name=f"ckval-warm-{tmp_path.name}",
         keep_warm=True,
+        pools={"CPU": 2},  # two workers to warm: each imports torch, on 2 cores
     )
     service = ValidationService.start(settings=settings)
     yield service
