@@ -214,8 +214,8 @@ class ValidationService:
 def replica_actor(settings: Settings, settings_json: str, replica: int):
     """Starts replica ``replica`` of the service (or finds it running): a detached actor
     that Ray restarts when its process dies. The first runs on the head node (autoscaling
-    never takes it away with an idle worker); the others spread over the cluster's nodes,
-    so that one node's loss leaves a replica claiming."""
+    never takes it away with an idle worker); the others go to worker nodes
+    (_replica_placement), so that one node's loss leaves a replica claiming."""
     if replica == 0:
         placement: dict[str, Any] = {"resources": {"node:__internal_head__": 0.001}}
     else:
