@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainer_integration._delivery import ReportNotDelivered, StoredReport
+from trainer_integration._parts import ReportKey, ShardReporter, next_report_key
 from trainer_integration._ray_reports import RayReportLine, report_line
 from trainer_integration._reporter import POINTER_FILE, RunReporter, pointer_bytes
 from trainer_integration._request import (
@@ -75,8 +76,10 @@ def report(
     """Reports metrics and a checkpoint; its validation runs later, elsewhere.
 
     Inside a Ray Train worker call it on every rank, as ``ray.train.report``: rank 0
-    passes the checkpoint, the others ``report({}, None)`` (a checkpoint they pass is
-    not stored: ckval keeps rank 0's, with a warning). The checkpoint is copied
+    passes the checkpoint and the others ``report({}, None)``, or every rank passes its
+    own folder (a sharded save: FSDP, DeepSpeed, torch.distributed.checkpoint), and the
+    union of the ranks' files is one checkpoint, registered once every rank's part is
+    stored (see docs/sharded-checkpoints.md). The checkpoint is copied
     into ckval's storage, and registered with its validation enqueued as soon as the
     copy is done; Ray Train gets a pointer checkpoint so ``Result.checkpoints`` still
     lists it. Training never waits for Ray Train's result queue: SYNC returns once
@@ -145,14 +148,17 @@ def _report_options(options: dict[str, Any]) -> ReportOptions:
 def _report_in_ray_train(context, prepared: PreparedReport, checkpoint) -> None:
     line = report_line()
     metrics, mode = prepared.metrics, prepared.mode
-    if checkpoint is not None and context.get_world_rank() != 0:
-        _warn_checkpoint_of_other_rank(context.get_world_rank())
-        checkpoint = None
+    # With several ranks every report() call has a key, the same on each rank: a rank's
+    # checkpoint is its part of that report's checkpoint (sharded saves write one each).
+    key = next_report_key(context, line) if context.get_world_size() > 1 else None
     if checkpoint is None:
         _to_ray_train(line, metrics)
         return
     reporter = _reporter(ray_train_run_name(context))
     attach(reporter.run, reporter)  # wakes should_stop()'s watcher after registrations
+    if key is not None:
+        _report_shard(line, context.get_world_rank(), reporter, prepared, checkpoint, key)
+        return
     try:
         if mode is CheckpointUploadMode.NO_UPLOAD:
             stored = StoredReport.finished(
@@ -175,22 +181,57 @@ def _report_in_ray_train(context, prepared: PreparedReport, checkpoint) -> None:
     _report_pointer(line, reporter, metrics, checkpoint, stored)
 
 
-_warned_other_rank = False
+def _report_shard(
+    line: RayReportLine | None,
+    rank: int,
+    reporter: RunReporter,
+    prepared: PreparedReport,
+    checkpoint,
+    key: ReportKey,
+) -> None:
+    """One rank's folder as its part of the report's checkpoint (see _parts.py).
 
+    This rank stores its part; then, on Ray Train's upload thread, enters Ray Train's
+    report of this step, whose rank sync every rank passes only after storing its own
+    part: the lowest rank that stored one seals the checkpoint there (registering it
+    with its validation), and each gives Ray Train the pointer.
+    """
+    import ray.train
 
-def _warn_checkpoint_of_other_rank(rank: int) -> None:
-    """Ray Train's guides report the same DDP model from every rank: ckval keeps rank 0's."""
-    global _warned_other_rank
-    if _warned_other_rank:
-        return
-    _warned_other_rank = True
-    logger.warning(
-        "report() on rank %d got a checkpoint: ckval stores rank 0's checkpoint of each "
-        "report (under DDP every rank holds the same model), and not this one. Pass "
-        "checkpoint=None on the other ranks to silence this; files that differ by rank "
-        "(shards) must be gathered into rank 0's folder.",
-        rank,
-    )
+    shards = ShardReporter(reporter, rank)
+    metrics = prepared.metrics
+    try:
+        shard = shards.report(
+            metrics,
+            checkpoint,
+            prepared.job,
+            prepared.mode,
+            key,
+            delete_local=prepared.delete_local,
+        )
+    except Exception:
+        _to_ray_train(line, metrics)  # the other ranks are in this report too
+        raise
+
+    def seal_and_point(_checkpoint, checkpoint_dir_name: str):
+        shards.seal(shard)
+        index = shard.registered.result().report_index
+        return _write_pointer(reporter, checkpoint_dir_name, index, shard.uri)
+
+    def report_to_ray_train(**mode) -> None:
+        shard.registered.result()  # stored before the ranks sync, so the sealer finds it
+        ray.train.report(
+            metrics,
+            checkpoint=checkpoint,
+            checkpoint_upload_fn=seal_and_point,
+            delete_local_checkpoint_after_upload=False,
+            **mode,
+        )
+
+    if line is None:
+        report_to_ray_train(checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+    else:
+        line.submit(report_to_ray_train)
 
 
 def _to_ray_train(line: RayReportLine | None, metrics: dict) -> None:
@@ -236,13 +277,9 @@ def _report_pointer(
 
     def write_pointer(_checkpoint, checkpoint_dir_name: str):
         stored.stored.result()
-        path = storage.build_checkpoint_path_from_name(checkpoint_dir_name)
-        filesystem = storage.storage_filesystem
-        filesystem.create_dir(path)
-        with filesystem.open_output_stream(f"{path}/{POINTER_FILE}") as f:
-            f.write(pointer_bytes(reporter.run, stored.index, stored.uri))
+        pointer = _write_pointer(reporter, checkpoint_dir_name, stored.index, stored.uri, storage)
         stored.registered.result()
-        return ray.train.Checkpoint(filesystem=filesystem, path=path)
+        return pointer
 
     if line is None:
         ray.train.report(
@@ -263,6 +300,22 @@ def _report_pointer(
             delete_local_checkpoint_after_upload=False,
         )
     )
+
+
+def _write_pointer(
+    reporter: RunReporter, checkpoint_dir_name: str, index: int, uri: str, storage=None
+):
+    """Writes the pointer to a stored checkpoint into Ray Train's checkpoint folder
+    ``checkpoint_dir_name``; returns it as the checkpoint Ray Train keeps."""
+    import ray.train
+
+    storage = storage or ray.train.get_context().get_storage()
+    path = storage.build_checkpoint_path_from_name(checkpoint_dir_name)
+    filesystem = storage.storage_filesystem
+    filesystem.create_dir(path)
+    with filesystem.open_output_stream(f"{path}/{POINTER_FILE}") as f:
+        f.write(pointer_bytes(reporter.run, index, uri))
+    return ray.train.Checkpoint(filesystem=filesystem, path=path)
 
 
 def resolve_checkpoint(checkpoint):

@@ -458,6 +458,14 @@ class RunReporter:
             on_first_retry=say_retrying,
         )
 
+    def submit(self, thread: str, fn, *args) -> Future:
+        """Runs ``fn`` on one of the reporter's threads (see _THREADS), in submission order."""
+        return self._thread(thread).submit(fn, *args)
+
+    def remember(self, index: int | Future, future: Future) -> None:
+        """Makes flush() wait for ``future``, a report's delivery (see PendingReports.add)."""
+        self._pending.add(index, future)
+
     def _in_background(self, index: int | Future, fn, *args) -> Future:
         """Runs ``fn`` on a background thread, remembered for flush() under ``index``
         (the report index, or the future of its reservation)."""

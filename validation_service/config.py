@@ -7,7 +7,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -196,6 +196,9 @@ class Settings(BaseSettings):
 
     # Run attempts: a run name reused after the run ended keeps adding to its last attempt.
     append: bool = False
+    # Ranks of one sharded report that wrote different content under one file name:
+    # "warn" keeps the lowest rank's file and warns; "error" fails the report.
+    shard_conflicts: Literal["warn", "error"] = "warn"
 
     def resolved_home(self) -> Path:
         return _home.resolved_home(self.home)

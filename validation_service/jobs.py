@@ -58,6 +58,20 @@ class RunStatus(str, enum.Enum):
     FAILED = "FAILED"
 
 
+class AssemblyStatus(str, enum.Enum):
+    """A checkpoint written by several ranks, part by part (registry/assemblies.py).
+
+    ASSEMBLING -> SEALING -> COMPLETE (the checkpoint row is registered), and
+    ASSEMBLING | SEALING -> INCOMPLETE when a part can no longer come (its rank died:
+    the run ended, or a restarted worker group reports on) or sealing failed.
+    """
+
+    ASSEMBLING = "ASSEMBLING"
+    SEALING = "SEALING"
+    COMPLETE = "COMPLETE"
+    INCOMPLETE = "INCOMPLETE"
+
+
 class MetricSource(str, enum.Enum):
     REPORTED = "reported"
     VALIDATED = "validated"

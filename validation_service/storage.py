@@ -295,6 +295,10 @@ class CheckpointStorage:
                 files[rel] = _copy_hashing(f, None)
         return self.persisted(path, files, self._write_manifest(path, files, folders, True))
 
+    def write_manifest(self, directory: str, files: dict) -> bytes:
+        """Writes the manifest of files already in ``directory`` (an assembled checkpoint)."""
+        return self._write_manifest(directory, files)
+
     def _write_manifest(self, directory: str, files: dict, folders=(), replace=False) -> bytes:
         """Writes the manifest (``replace``: over one written in place before)."""
         for rel in [*files, *folders]:

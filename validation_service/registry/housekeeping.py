@@ -90,6 +90,30 @@ class Housekeeping:
         retention.delete_files(deleted, shared, catalog.namespace, self.settings.storage_options)
         return [dataclasses.replace(c.record, deleted_at=now) for c in deleted]
 
+    def remove_incomplete(self, assemblies, run_ids: list[int] | None) -> int:
+        """Ends the assemblies of ended runs whose parts never all came, and removes the
+        files of every INCOMPLETE assembly (inside its own run's folder only); returns
+        how many folders went."""
+        from validation_service.storage import CheckpointStorage
+
+        assemblies.give_up_ended_runs(run_ids)
+        removed = 0
+        for assembly_id, uri, run, namespace, root in assemblies.incomplete_to_delete(run_ids):
+            try:
+                storage = CheckpointStorage(root, self.settings.storage_options)
+                if storage.in_root(uri):
+                    storage.delete(uri, namespace=namespace, run=run)
+                    removed += 1
+            except Exception as exc:  # noqa: BLE001 - say what is left, go on with the rest
+                logger.warning(
+                    "the parts of an incomplete checkpoint of run %r at %s could not be "
+                    "removed (%s: %s); remove them by hand",
+                    *(run, uri, type(exc).__name__, exc),
+                )
+                continue
+            assemblies.mark_deleted(assembly_id)
+        return removed
+
     def after_validation(self, run_id: int) -> None:
         """What follows merged metrics: the run's stop policy is judged (a decision is
         stored once), its tracked aliases move to its best checkpoints, then its stored

@@ -22,7 +22,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from validation_service.jobs import JobStatus, RunStatus, ValidationStatus
+from validation_service.jobs import AssemblyStatus, JobStatus, RunStatus, ValidationStatus
 
 
 def utcnow() -> dt.datetime:
@@ -327,3 +327,46 @@ class ServiceReplica(Base):
     started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     stopped_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+
+
+class CheckpointAssembly(Base):
+    """One report's checkpoint while several ranks store their parts of it.
+
+    The checkpoints row is registered only when the assembly is COMPLETE: until then
+    nothing lists, ranks or validates it (see registry/assemblies.py).
+    """
+
+    __tablename__ = "checkpoint_assemblies"
+    __table_args__ = (
+        UniqueConstraint("run_id", "group_key", name="uq_assemblies_run_group"),
+        Index("ix_assemblies_run_status", "run_id", "status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    # "<worker group>-<report call>": the same on every rank of one report.
+    group_key: Mapped[str] = mapped_column(String(128))
+    report_index: Mapped[int] = mapped_column(Integer)
+    uri: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), default=AssemblyStatus.ASSEMBLING.value)
+    detail: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    ended_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    deleted_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+
+
+class CheckpointPart(Base):
+    """One rank's stored part of an assembly: where its files are and their manifest."""
+
+    __tablename__ = "checkpoint_parts"
+
+    assembly_id: Mapped[int] = mapped_column(
+        ForeignKey("checkpoint_assemblies.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    location: Mapped[str] = mapped_column(Text)
+    # relative path -> {"size", "sha256"}; None for a folder registered in place.
+    files: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    reported_metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    registered_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

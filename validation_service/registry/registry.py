@@ -32,6 +32,7 @@ from validation_service.names import check_name
 from validation_service.progress import ProgressRenderer
 from validation_service.registry import aliases as alias_store
 from validation_service.registry import retention, search, transitions
+from validation_service.registry.assemblies import Assemblies, AssemblyRecord
 from validation_service.registry.catalog import Catalog, Mode, check_run_name
 from validation_service.registry.dashboard_reads import DashboardReader
 from validation_service.registry.database import Database, retry_on_disconnect
@@ -92,6 +93,7 @@ class Registry:
             self.housekeeping,
             RetryPolicy.from_settings(self.settings),
         )
+        self.assemblies = Assemblies(self.db, self.catalog)
         self.dashboard = DashboardReader(self.db, self.catalog)
         self.replicas = ReplicaBook(self.db)
         if check_schema:
@@ -339,9 +341,20 @@ class Registry:
         rule = retention.RetentionRule(
             metric, mode, keep_best, keep_best_per_run, keep_latest, run=run
         )
-        return self.housekeeping.apply_retention(
+        going = self.housekeeping.apply_retention(
             self.catalog, rule, dry_run=bool(dry_run), strict=True
         )
+        if not dry_run:  # the parts of checkpoints that never became one go too
+            run_ids = None if run is None else [r.id for r in self.run_attempts(run)]
+            self.housekeeping.remove_incomplete(self.assemblies, run_ids)
+        return going
+
+    @retry_on_disconnect
+    def incomplete_checkpoints(self, run: str) -> list[AssemblyRecord]:
+        """The run's reports whose checkpoint, written by several ranks, is not complete:
+        still being stored, or INCOMPLETE (a rank died before its part was stored).
+        None of them is listed, ranked or validated; retention removes their files."""
+        return self.assemblies.not_complete([r.id for r in self.run_attempts(run)])
 
     @retry_on_disconnect
     def set_retention(self, run: str | None = None, **rule: Any) -> retention.RetentionRule:
