@@ -1,0 +1,150 @@
+"""Parts of a checkpoint written by several ranks: stored by each rank, assembled into one
+folder with one manifest, conflicts between ranks, and the registry's assembly rows
+(on SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future
+
+import pytest
+from ray.train import Checkpoint
+
+from trainer_integration._parts import ReportKey, ShardReporter
+from trainer_integration._reporter import RunReporter
+from trainer_integration._request import CheckpointUploadMode
+from validation_service.config import Settings
+from validation_service.errors import InvalidInput
+from validation_service.jobs import AssemblyStatus
+from validation_service.manifest import scan_folder
+from validation_service.parts import ShardConflict, assemble, store_part
+from validation_service.registry.assemblies import PartRecord
+from validation_service.storage import CheckpointStorage
+
+
+def rank_folder(tmp_path, rank: int, files: dict[str, bytes]) -> str:
+    folder = tmp_path / f"rank-{rank}"
+    for rel, data in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+    return str(folder)
+
+
+def stored_parts(storage, target, tmp_path, by_rank: dict[int, dict[str, bytes]]):
+    parts = []
+    for rank, files in by_rank.items():
+        source = scan_folder(rank_folder(tmp_path, rank, files))
+        location, stored = store_part(storage, target, rank, source)
+        size = sum(entry["size"] for entry in stored.values())
+        parts.append(PartRecord(rank, location, stored, size, {"rank": rank}))
+    return parts
+
+
+def test_each_ranks_files_become_one_checkpoint_with_one_manifest(tmp_path):
+    storage = CheckpointStorage(str(tmp_path / "store"))
+    target = storage.checkpoint_path("default", "r", 0)
+    parts = stored_parts(
+        storage,
+        target,
+        tmp_path,
+        {
+            1: {"__1_0.distcp": b"one" * 100, "config.json": b"{}"},
+            0: {"__0_0.distcp": b"zero" * 100, ".metadata": b"m", "config.json": b"{}"},
+        },
+    )
+    persisted, conflicts = assemble(storage, target, parts, "warn")
+    assert conflicts == []
+    assert sorted(os.listdir(target)) == sorted(
+        [".ckval-manifest.json", ".metadata", "__0_0.distcp", "__1_0.distcp", "config.json"]
+    )
+    manifest = storage.verify(persisted.uri, persisted.manifest_sha256)
+    assert sorted(manifest.files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "config.json"]
+    assert persisted.size_bytes == 300 + 400 + 1 + 2
+
+
+def test_ranks_that_differ_on_a_file_keep_the_lowest_ranks_with_a_warning(tmp_path, caplog):
+    storage = CheckpointStorage(str(tmp_path / "store"))
+    target = storage.checkpoint_path("default", "r", 0)
+    by_rank = {0: {"step.txt": b"0"}, 1: {"step.txt": b"1"}, 2: {"step.txt": b"2"}}
+    parts = stored_parts(storage, target, tmp_path, by_rank)
+    with caplog.at_level(logging.WARNING, logger="validation_service.parts"):
+        persisted, conflicts = assemble(storage, target, parts, "warn")
+    assert [str(c) for c in conflicts] == ["'step.txt': rank 0's file kept, rank(s) 1, 2 differ"]
+    assert "rank 0's file kept, rank(s) 1, 2 differ" in caplog.text
+    assert (
+        tmp_path / "store" / "default" / "r" / "checkpoint_000000" / "step.txt"
+    ).read_bytes() == b"0"
+    storage.verify(persisted.uri, persisted.manifest_sha256)
+
+
+def test_a_conflict_is_an_error_when_the_setting_says_so_and_nothing_moves(tmp_path):
+    storage = CheckpointStorage(str(tmp_path / "store"))
+    target = storage.checkpoint_path("default", "r", 0)
+    parts = stored_parts(storage, target, tmp_path, {0: {"a": b"0"}, 1: {"a": b"1"}})
+    with pytest.raises(ShardConflict, match=r"'a': rank 0's file kept, rank\(s\) 1 differ"):
+        assemble(storage, target, parts, "error")
+    assert sorted(os.listdir(target)) == [".ckval-part-00000", ".ckval-part-00001"]
+
+
+def test_the_ranks_of_one_report_share_its_slot_and_one_seals_it(registry):
+    run_id = registry.ledger.ensure_run("sharded", storage_root="/tmp/x")
+    uri_of = lambda index: f"/tmp/x/default/sharded/checkpoint_{index:06d}"  # noqa: E731
+    first = registry.assemblies.join(run_id, "g1-1", uri_of)
+    assert registry.assemblies.join(run_id, "g1-1", uri_of) == first
+    second = registry.assemblies.join(run_id, "g1-2", uri_of)
+    assert (first.report_index, second.report_index) == (0, 1)
+    for rank in (1, 0):
+        part = PartRecord(rank, f"{first.uri}/.ckval-part-{rank}", {}, 0, {"rank": rank})
+        registry.assemblies.add_part(first.assembly_id, part)
+        registry.assemblies.add_part(first.assembly_id, part)  # again: nothing changes
+    parts = registry.assemblies.begin_sealing(first.assembly_id)
+    assert [p.rank for p in parts] == [0, 1]
+    assert registry.assemblies.begin_sealing(first.assembly_id) is None  # sealed once
+    registry.assemblies.end(first.assembly_id, AssemblyStatus.COMPLETE)
+    # A newer worker group's seal ends the older group's open assemblies.
+    later = registry.assemblies.join(run_id, "g2-1", uri_of)
+    assert registry.assemblies.give_up_other_groups(run_id, "g2-") == 1
+    listed = registry.incomplete_checkpoints("sharded")
+    # Listed too: the newer group's report, still being stored.
+    assert [(a.report_index, a.status) for a in listed] == [
+        (1, AssemblyStatus.INCOMPLETE),
+        (later.report_index, AssemblyStatus.ASSEMBLING),
+    ]
+    # Nothing of it is a checkpoint: nothing listed, ranked or latest.
+    assert registry.checkpoints("sharded") == []
+    assert registry.latest_checkpoint("sharded") is None
+
+
+def test_an_open_assembly_of_a_run_that_ended_is_incomplete(registry):
+    run_id = registry.ledger.ensure_run("ended", storage_root="/tmp/x")
+    registry.assemblies.join(run_id, "g-1", lambda i: f"/tmp/x/default/ended/checkpoint_{i}")
+    registry.ledger.finish_run("ended", "FAILED")
+    assert registry.assemblies.give_up_ended_runs([run_id]) == 1
+    (record,) = registry.incomplete_checkpoints("ended")
+    assert record.status is AssemblyStatus.INCOMPLETE
+    assert "the run ended first" in record.detail
+
+
+@pytest.mark.parametrize("what", ["a file", "a missing path"])
+def test_a_shard_that_is_no_folder_is_refused_naming_the_rank(tmp_path, what):
+    home = tmp_path / "home"
+    settings = Settings(home=str(home))
+    reporter = RunReporter("shards", settings, start_service=False)
+    path = tmp_path / "model.pt"
+    if what == "a file":
+        path.write_bytes(b"x")
+    group: Future = Future()
+    group.set_result("g")
+    with pytest.raises(InvalidInput, match=r"report\(\) on rank 3: its checkpoint folder"):
+        ShardReporter(reporter, 3).report(
+            {"step": 0},
+            Checkpoint.from_directory(str(path)),
+            None,
+            CheckpointUploadMode.ASYNC,
+            ReportKey(group, 1),
+        )
+    # Refused before anything was reserved, copied or written (the signing key, made
+    # when the request was checked, is all there is).
+    assert [p.name for p in home.rglob("*") if p.is_file()] == ["secret_key"]
+    reporter.close()
