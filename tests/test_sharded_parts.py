@@ -15,7 +15,7 @@ from trainer_integration._parts import ReportKey, ShardReporter
 from trainer_integration._reporter import RunReporter
 from trainer_integration._request import CheckpointUploadMode
 from validation_service.config import Settings
-from validation_service.errors import InvalidInput
+from validation_service.errors import CheckpointNotFound
 from validation_service.jobs import AssemblyStatus
 from validation_service.manifest import scan_folder
 from validation_service.parts import ShardConflict, assemble, store_part
@@ -136,7 +136,7 @@ def test_a_shard_that_is_no_folder_is_refused_naming_the_rank(tmp_path, what):
         path.write_bytes(b"x")
     group: Future = Future()
     group.set_result("g")
-    with pytest.raises(InvalidInput, match=r"report\(\) on rank 3: its checkpoint folder"):
+    with pytest.raises(CheckpointNotFound, match=r"report\(\) on rank 3: .*not a directory.*Pass Checkpoint"):
         ShardReporter(reporter, 3).report(
             {"step": 0},
             Checkpoint.from_directory(str(path)),

@@ -153,10 +153,16 @@ class ShardReporter:
             return None  # a remote folder: downloaded by the storing thread
         try:
             return scan_folder(checkpoint.path)
-        except (CkvalError, OSError) as exc:
+        except CkvalError as exc:  # its own type, saying which rank's folder it is
+            exc.args = (
+                f"report() on rank {self.rank}: {exc} Pass Checkpoint.from_directory(d) of a "
+                "folder this rank wrote and can read; nothing of this report was stored.",
+            )
+            raise
+        except OSError as exc:
             raise InvalidInput(
                 f"report() on rank {self.rank}: its checkpoint folder {checkpoint.path!r} "
-                f"cannot be stored ({exc}). Pass Checkpoint.from_directory(d) of a folder "
+                f"cannot be read ({exc}). Pass Checkpoint.from_directory(d) of a folder "
                 "this rank wrote and can read; nothing of this report was stored."
             ) from None
 
