@@ -136,7 +136,8 @@ def test_a_shard_that_is_no_folder_is_refused_naming_the_rank(tmp_path, what):
         path.write_bytes(b"x")
     group: Future = Future()
     group.set_result("g")
-    with pytest.raises(CheckpointNotFound, match=r"report\(\) on rank 3: .*not a directory.*Pass Checkpoint"):
+    named = r"report\(\) on rank 3: .*not a directory.*Pass Checkpoint"
+    with pytest.raises(CheckpointNotFound, match=named):
         ShardReporter(reporter, 3).report(
             {"step": 0},
             Checkpoint.from_directory(str(path)),
