@@ -20,6 +20,7 @@ from trainer_integration._callbacks import (
     numeric_metrics,
     plain,
 )
+from trainer_integration._rank_files import is_sharded, take_own_files
 from validation_service.errors import InvalidInput
 
 try:
@@ -156,7 +157,8 @@ class ReportCheckpointCallback(ValidatedMetricsCallback, Callback):
         directory = tempfile.mkdtemp(prefix="ckval-lightning-" if chief else "ckval-scratch-")
         path = os.path.join(directory, CHECKPOINT_NAME)
         try:
-            # Every rank calls it (a strategy may save shards); rank 0 writes the file.
+            # Every rank calls it: a sharded strategy writes each rank's shard (at rank
+            # 0's path), others rank 0's file alone.
             trainer.save_checkpoint(path, weights_only=False)
             if chief and not os.path.exists(path):
                 raise InvalidInput(
@@ -167,15 +169,36 @@ class ReportCheckpointCallback(ValidatedMetricsCallback, Callback):
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-        if chief:
+        if trainer.world_size > 1:
+            directory = self._own_part(trainer, path, directory, chief)
+        if directory is not None:
             self._reporter.report_folder(metrics, directory, owned=True)
         else:
-            shutil.rmtree(directory, ignore_errors=True)
             self._reporter.report_metrics(metrics)
         self._feed_metrics(trainer)
         # Every rank asks at each report (rank 0's answer everywhere): the run's policy.
         if self._reporter.should_stop():
             trainer.should_stop = True
+
+    def _own_part(self, trainer, path: str, directory: str, chief: bool) -> str | None:
+        """The folder this rank reports: for a sharded save (FSDPStrategy(state_dict_type=
+        "sharded"), where every rank writes its shard at rank 0's path) this rank's own
+        files, as its part of the checkpoint; for a whole one rank 0's folder alone.
+        Every rank calls it (collectives)."""
+        shared = trainer.strategy.broadcast(path, src=0)  # where a sharded save went
+        if not (os.path.isdir(shared) and is_sharded(shared)):
+            if chief:
+                return directory
+            shutil.rmtree(directory, ignore_errors=True)
+            return None
+        own = tempfile.mkdtemp(prefix="ckval-lightning-part-")
+        taken = take_own_files(shared, trainer.global_rank, os.path.join(own, CHECKPOINT_NAME))
+        trainer.strategy.barrier()  # every rank has its files before rank 0's folder goes
+        shutil.rmtree(directory, ignore_errors=True)
+        if taken:
+            return own
+        shutil.rmtree(own, ignore_errors=True)
+        return None
 
     def _feed_metrics(self, trainer) -> None:
         """Puts the validations that arrived into callback_metrics, the same on every rank

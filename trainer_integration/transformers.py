@@ -24,6 +24,7 @@ from trainer_integration._callbacks import (
     check_poll_interval,
     numeric_metrics,
 )
+from trainer_integration._rank_files import is_sharded, take_own_files
 from validation_service.errors import InvalidInput
 
 try:
@@ -106,10 +107,14 @@ class ReportCheckpointCallback(ValidatedMetricsCallback, TrainerCallback):
 
     def _save(self, args, state) -> None:
         metrics = _latest_logged(state)
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if args.world_size > 1 and os.path.isdir(folder) and is_sharded(folder):
+            self._report_own_files(metrics, folder, args.process_index)
+            self._log_arrived(state)
+            return
         if not self._chief(state):
             self._reporter.report_metrics(metrics)
             return
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if not os.path.isdir(folder):
             raise InvalidInput(
                 f"The Trainer saved at step {state.global_step}, but there is no checkpoint "
@@ -149,6 +154,18 @@ class ReportCheckpointCallback(ValidatedMetricsCallback, TrainerCallback):
             self._reporter.report_folder(metrics, staging, owned=True)
             return
         self._reporter.report_folder(metrics, folder, owned=False)
+
+    def _report_own_files(self, metrics: dict[str, Any], folder: str, rank: int) -> None:
+        """A sharded save (FSDP's SHARDED_STATE_DICT, DeepSpeed ZeRO), where every rank
+        wrote its shards into the step's folder: each rank reports the files it wrote
+        (rank 0 also those of no rank: configs, metadata), its part of one checkpoint."""
+        name = os.path.basename(folder)
+        own = tempfile.mkdtemp(prefix=f".ckval-{name}-rank{rank}-", dir=os.path.dirname(folder))
+        if take_own_files(folder, rank, own):
+            self._reporter.report_folder(metrics, own, owned=True)
+        else:
+            shutil.rmtree(own, ignore_errors=True)
+            self._reporter.report_metrics(metrics)
 
     def _chief(self, state) -> bool:
         # Process zero saves the checkpoint folder; in Ray Train it is rank 0.
