@@ -45,8 +45,9 @@ for pickler in (cloudpickle, ray.cloudpickle):
     pickler.register_pickle_by_value(sharded_mlp)
 
 WAIT_S = 240
-# 250 rows in batches of 64: split across 3 eval ranks without dropping rows, the ranks
-# get different numbers of batches (in_lockstep keeps their FSDP2 forward passes in step).
+# 250 rows in 4 blocks, batches of 64: split across 3 eval ranks without dropping rows, one
+# rank gets 2 blocks (2 batches), another 1 or none; in_lockstep keeps their FSDP2 forward
+# passes in step.
 VAL_ROWS = 250
 BATCH = 64
 EMPTY_BATCH = {"x": torch.empty(0, FEATURES), "y": torch.empty(0, dtype=torch.long)}
@@ -56,7 +57,7 @@ X_VAL, Y_VAL = make_data(VAL_ROWS, seed=1)
 def validation_dataset() -> ray.data.Dataset:
     """A zero-argument dataset source: built where the validation runs."""
     rows = [{"x": x, "y": int(y)} for x, y in zip(X_VAL, Y_VAL, strict=True)]
-    return ray.data.from_items(rows, override_num_blocks=3)
+    return ray.data.from_items(rows, override_num_blocks=4)
 
 
 def score(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -94,14 +95,22 @@ def fsdp2_eval_loop(config: dict) -> dict:
     params = list(model.parameters())
     held = sum(p.to_local().numel() for p in params if isinstance(p, DTensor))
     totals = torch.zeros(3, dtype=torch.float64)
+    own_batches = 0
     batches = ray.train.get_dataset_shard("validation").iter_torch_batches(batch_size=BATCH)
     with torch.no_grad():
         for batch in in_lockstep(batches, EMPTY_BATCH):
             totals += score(model, batch["x"], batch["y"])
+            own_batches += len(batch["y"]) > 0
     dist.all_reduce(totals)
-    share = torch.tensor([held, sum(p.numel() for p in params)], dtype=torch.float64)
-    dist.all_reduce(share, op=dist.ReduceOp.MAX)  # the largest share any rank holds
-    return {**metrics_of(totals), "max_rank_share": share[0].item() / share[1].item()}
+    # The largest share of the model any rank holds, and the most and fewest batches.
+    most = torch.tensor([held, sum(p.numel() for p in params), own_batches, -own_batches])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return {
+        **metrics_of(totals),
+        "max_rank_share": most[0].item() / most[1].item(),
+        "most_batches": most[2].item(),
+        "fewest_batches": -most[3].item(),
+    }
 
 
 def fsdp2_validator(num_workers: int) -> TorchTrainerValidator:
@@ -226,6 +235,9 @@ def test_service_validates_the_checkpoint_in_a_ray_task_and_in_three_fsdp2_worke
         assert_metrics_match(record.validated_metrics, expected)
     # 3 ranks of a model of 3 Linear layers: no rank held more than about a third of it.
     assert in_three_workers.validated_metrics["max_rank_share"] < 0.4
+    # Ranks with fewer batches ran empty ones while the others finished theirs.
+    validated = in_three_workers.validated_metrics
+    assert validated["most_batches"] > validated["fewest_batches"]
 
 
 # --------------------------------------------------------------------------- bad input
@@ -257,7 +269,10 @@ def test_a_model_whose_keys_or_shapes_differ_is_refused_naming_them(dcp_folder):
         InvalidInput, match=r"but not in the model \['2.bias', '2.weight', '4.bias'"
     ):
         load_sharded(shorter, dcp_folder)
-    assert load_sharded(shorter, dcp_folder, strict=False) is shorter  # a prefix of the model
+    # strict=False: a model that is a prefix of the saved one gets its own tensors.
+    load_sharded(shorter, dcp_folder, strict=False)
+    whole = load_sharded(make_model(), dcp_folder)
+    assert torch.equal(shorter[0].weight, whole[0].weight)
     renamed = torch.nn.ModuleDict({"encoder": make_model()})
     with pytest.raises(InvalidInput, match=r"missing in the checkpoint \['encoder.0.bias'"):
         load_sharded(renamed, dcp_folder)
