@@ -49,9 +49,11 @@ def load_sharded(
       load-time resharding: each rank reads only the pieces of its own shards, whatever
       N was, and no rank holds the whole model.
 
-    ``checkpoint`` is a ``ray.train.Checkpoint`` (read through ``as_directory()``) or a
-    local folder. Keys and shapes are checked against the checkpoint's ``.metadata``
-    first; with ``strict`` the checkpoint must hold no other tensors under ``key``.
+    ``checkpoint`` is a ``ray.train.Checkpoint`` (read through ``as_directory()``: one on
+    remote storage is downloaded whole to each node's disk, while memory holds only this
+    rank's shards) or a local folder. Keys and shapes are checked against the
+    checkpoint's ``.metadata`` first; with ``strict`` the checkpoint must hold no other
+    tensors under ``key``.
     Raises CheckpointNotFound (no such folder) or InvalidInput (no DCP folder, a shard
     file missing, keys or shapes that do not match), the same on every rank.
     """
