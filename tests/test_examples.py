@@ -119,7 +119,6 @@ def test_example_ray_train_torch(tmp_path):
     assert len(registry.checkpoints("ex")) == 2
 
 
-@pytest.mark.skip(reason="needs the multi-rank report path")
 def test_example_sharded_fsdp2(tmp_path):
     out = run(
         [sys.executable, "examples/sharded_fsdp2.py", "--reports", "2", "--run", "sharded"],
