@@ -37,6 +37,7 @@ from validation_service.manifest import (
     _local_tree,
     _parents,
     _UnsafeFolder,
+    copy_local_file,
     manifest_entry_problem,
     scan_folder,
 )
@@ -239,8 +240,8 @@ class CheckpointStorage:
             for rel, src in folder.files:
                 target = os.path.join(staging, rel)
                 make_private_folders(os.path.dirname(target))
-                with open(src, "rb") as fin, create_private_file(target) as fout:
-                    files[rel] = _copy_hashing(fin, fout)
+                with create_private_file(target) as fout:
+                    files[rel] = copy_local_file(src, fout)
             manifest = self._write_manifest(staging, files, folder.folders)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
