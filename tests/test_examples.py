@@ -151,6 +151,14 @@ def test_benchmark_core_smoke(tmp_path):
     assert "validations/s" in out
 
 
+def test_benchmark_sharded_persist_smoke(tmp_path):
+    out = run(
+        [sys.executable, "benchmarks/bench_sharded.py", "--smoke", "--parts", "persist"], tmp_path
+    )
+    for way in ("cp", "fsspec", "ckval"):
+        assert f"\n| {way} | " in out
+
+
 def test_benchmark_registry_smoke(tmp_path):
     out = run([sys.executable, "benchmarks/bench_registry.py", "--smoke"], tmp_path)
     assert "| sqlite | 2,000 |" in out and "| postgresql | 2,000 |" in out
