@@ -23,7 +23,7 @@ from validation_service.signing import PayloadTrust, job_binding
 from validation_service.storage import CheckpointStorage
 from validation_service.validate_fn import (
     call_validate_fn,
-    load_validate_config,
+    load_job_payloads,
     load_validate_fn,
 )
 
@@ -124,19 +124,16 @@ def _validate(
 
 def _payloads(job: ClaimedJob, trust: PayloadTrust) -> tuple[Any, dict[str, Any]]:
     """The job's validate_fn and validate_config, each verified for this very job (a
-    payload copied from another job's row never verifies) before it is unpickled."""
-    bound_to = job_binding(job.namespace, job.run, job.report_index, job.uri)
-    validate_fn = load_validate_fn(
+    payload copied from another job's row never verifies, nor a reference the reporter
+    did not sign) before anything is unpickled or imported."""
+    return load_job_payloads(
         job.validate_fn_ref,
         job.validate_fn_pickle,
+        job.validate_config,
         trust=trust,
-        bound_to=bound_to,
+        bound_to=job_binding(job.namespace, job.run, job.report_index, job.uri),
         job_id=job.job_id,
     )
-    config = load_validate_config(
-        job.validate_config, trust=trust, bound_to=bound_to, job_id=job.job_id
-    )
-    return validate_fn, config
 
 
 def _where() -> dict[str, Any]:
