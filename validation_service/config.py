@@ -293,9 +293,9 @@ def _parsing_message(exc: SettingsError) -> str:
 
 def _shown(field: str, value: Any) -> str:
     """A bad value as an error shows it: never one of a setting that may hold credentials."""
-    from validation_service.secrets import JSON_FIELDS, SECRET_FIELDS
+    from validation_service.secrets import CREDENTIAL_FIELDS, SECRET_FIELDS
 
-    if field in (*JSON_FIELDS, *SECRET_FIELDS, "database_url", "storage"):
+    if field in (*CREDENTIAL_FIELDS, *SECRET_FIELDS):
         return "a value that is not shown here, as it may hold credentials"
     return repr(value)
 
