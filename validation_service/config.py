@@ -179,7 +179,13 @@ class Settings(BaseSettings):
     # JSON list; credentials in them stay with the service.
     mlflow_allowed_uris: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
 
-    @field_validator("mlflow_allowed_uris", mode="before")
+    # Storage roots besides CKVAL_STORAGE under which gc, retention and the service may
+    # delete checkpoint files (CKVAL_DELETABLE_ROOTS, comma-separated or a JSON list). A
+    # run records the storage root its reporter chose: files under no root named here or
+    # in CKVAL_STORAGE are kept.
+    deletable_roots: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
+
+    @field_validator("mlflow_allowed_uris", "deletable_roots", mode="before")
     @classmethod
     def _split_mlflow_allowed_uris(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -207,6 +213,11 @@ class Settings(BaseSettings):
         if self.storage:
             return self.storage
         return str(self.resolved_home() / "checkpoints")
+
+    def deletion_roots(self) -> list[str]:
+        """The storage roots checkpoint files may be deleted under: CKVAL_STORAGE (or the
+        embedded default) and CKVAL_DELETABLE_ROOTS."""
+        return [self.resolved_storage(), *self.deletable_roots]
 
     def replicas_for(self, database_url: str) -> int:
         """How many replicas the service runs on this database; raises InvalidSettings

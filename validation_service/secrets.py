@@ -30,7 +30,14 @@ SECRET_FIELDS = ("secret_key", "secret_key_previous", "api_token")
 # among them that holds one is withheld from Ray's runtime_env (ckval_env), and each is
 # masked by public_settings. tests/test_credential_settings.py makes every new setting
 # be put here, in SECRET_FIELDS, or among the plain ones.
-CREDENTIAL_FIELDS = ("database_url", "storage", "storage_options", "sinks", "mlflow_allowed_uris")
+CREDENTIAL_FIELDS = (
+    "database_url",
+    "storage",
+    "storage_options",
+    "sinks",
+    "mlflow_allowed_uris",
+    "deletable_roots",
+)
 
 # The rule for secret-looking names (query parameters, option keys, header names): the
 # name is split into words at every character that is not a letter or a digit and where
