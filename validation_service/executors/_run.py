@@ -73,8 +73,8 @@ def run_attempt(
         return {
             "succeeded": False,
             "error_type": type(exc).__name__,
-            "error_message": str(exc) or repr(exc),
-            "error_traceback": traceback.format_exc(),
+            "error_message": storable_text(str(exc) or repr(exc)),
+            "error_traceback": storable_text(traceback.format_exc()),
             "retryable": not isinstance(exc, _PERMANENT),
             "started_at": started_at,
             "finished_at": dt.datetime.now(dt.timezone.utc),
@@ -134,6 +134,12 @@ def _payloads(job: ClaimedJob, trust: PayloadTrust) -> tuple[Any, dict[str, Any]
         bound_to=job_binding(job.namespace, job.run, job.report_index, job.uri),
         job_id=job.job_id,
     )
+
+
+def storable_text(text: str) -> str:
+    """``text`` as every registry stores it: lone surrogates and NUL characters (which
+    neither SQLite's UTF-8 nor PostgreSQL's text takes) shown as escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
 
 def _where() -> dict[str, Any]:
