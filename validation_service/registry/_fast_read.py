@@ -87,6 +87,7 @@ CHECKED_SETTINGS = frozenset(
         "http_port",
         "allowed_modules",
         "mlflow_allowed_uris",
+        "deletable_roots",
         "sinks",
         "sink_attempts",
         "sink_backoff_s",
