@@ -36,6 +36,7 @@ from validation_service.registry.models import (
 )
 from validation_service.registry.records import CheckpointRecord
 from validation_service.secrets import mask_url
+from validation_service.validation import INT32_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class RetentionRule:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidInput(f"{name} must be an int >= 0, got {value!r}")
+            if value > INT32_MAX:  # a policy's columns are 32-bit; more keeps everything
+                raise InvalidInput(
+                    f"{name} must be at most {INT32_MAX} (a larger number keeps every "
+                    f"checkpoint as that does), got {value!r}"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
