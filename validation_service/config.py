@@ -179,13 +179,19 @@ class Settings(BaseSettings):
     # JSON list; credentials in them stay with the service.
     mlflow_allowed_uris: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
 
+    # MLflow experiments (names or ids; "*": any) whose runs the MLflow sink may log into
+    # when a reporter recorded one; other runs get nothing, and the metrics go to the
+    # sink's own run. CKVAL_MLFLOW_ALLOWED_EXPERIMENTS, comma-separated or a JSON list.
+    mlflow_allowed_experiments: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Storage roots besides CKVAL_STORAGE under which gc, retention and the service may
     # delete checkpoint files (CKVAL_DELETABLE_ROOTS, comma-separated or a JSON list). A
     # run records the storage root its reporter chose: files under no root named here or
     # in CKVAL_STORAGE are kept.
     deletable_roots: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
 
-    @field_validator("mlflow_allowed_uris", "deletable_roots", mode="before")
+    @field_validator(
+        "mlflow_allowed_uris", "deletable_roots", "mlflow_allowed_experiments", mode="before"
+    )
     @classmethod
     def _split_mlflow_allowed_uris(cls, value: Any) -> Any:
         if isinstance(value, str):

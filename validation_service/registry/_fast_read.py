@@ -88,6 +88,7 @@ CHECKED_SETTINGS = frozenset(
         "allowed_modules",
         "mlflow_allowed_uris",
         "deletable_roots",
+        "mlflow_allowed_experiments",
         "sinks",
         "sink_attempts",
         "sink_backoff_s",

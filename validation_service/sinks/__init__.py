@@ -68,7 +68,9 @@ class Sink(Protocol):
 SINK_KINDS: dict[str, tuple[str, frozenset[str]]] = {
     "mlflow": (
         "validation_service.sinks.mlflow:MlflowSink",
-        frozenset({"tracking_uri", "experiment", "prefix", "allowed_tracking_uris"}),
+        frozenset(
+            {"tracking_uri", "experiment", "prefix", "allowed_tracking_uris", "allowed_experiments"}
+        ),
     ),
     "wandb": (
         "validation_service.sinks.wandb:WandbSink",
@@ -221,13 +223,14 @@ class SinkDispatcher:
 
     @classmethod
     def from_settings(cls, settings, registry, stats: dict[str, int]) -> SinkDispatcher:
-        # The MLflow sink logs only to the tracking servers the service's settings allow.
-        allowed = list(settings.mlflow_allowed_uris)
+        # The MLflow sink logs only to the tracking servers, and into recorded runs of the
+        # experiments, that the service's settings allow.
+        allowed = {
+            "allowed_tracking_uris": list(settings.mlflow_allowed_uris),
+            "allowed_experiments": list(settings.mlflow_allowed_experiments),
+        }
         return cls(
-            [
-                {"allowed_tracking_uris": allowed, **c} if c.get("kind") == "mlflow" else c
-                for c in settings.sinks
-            ],
+            [{**allowed, **c} if c.get("kind") == "mlflow" else c for c in settings.sinks],
             registry,
             stats,
             attempts=settings.sink_attempts,
