@@ -1,8 +1,8 @@
-"""The MLflow sink logs only into tracker runs it created itself for the ckval run, or
-whose experiment its settings allow (CKVAL_MLFLOW_ALLOWED_EXPERIMENTS); any other run a
-reporter recorded gets nothing, and the metrics go to the sink's own run with a warning
-naming the job. Real MLflow tracking stores on SQLite, the sink called as the service
-calls it."""
+"""The sinks log only into tracker runs they created themselves for the ckval run, or
+that their settings allow (CKVAL_MLFLOW_ALLOWED_EXPERIMENTS, CKVAL_WANDB_ALLOWED_ENTITIES);
+any other run a reporter recorded gets nothing, and the metrics go to the sink's own run
+with a warning naming the job. Real MLflow tracking stores on SQLite, the sinks called as
+the service calls them."""
 
 from __future__ import annotations
 
@@ -87,3 +87,35 @@ def test_the_sinks_own_run_of_another_namespace_is_not_written_by_a_recorded_id(
 
     history = client.get_metric_history(team_c_run.info.run_id, "accuracy")
     assert len(history) == 1  # team C's own validation only
+
+
+# ------------------------------------------------------------------ W&B
+def wandb_target(recorded: dict, **settings) -> dict:
+    """The run a W&B sink with these settings would log a validation to (wandb.init's
+    arguments), for a ckval run whose reporter recorded ``recorded``."""
+    pytest.importorskip("wandb")
+    from validation_service.sinks.wandb import WandbSink
+
+    sink = WandbSink(allowed_entities=Settings(**settings).wandb_allowed_entities)
+    item = dataclasses.replace(validated("x", "u"), trackers={"wandb": recorded})
+    return sink._target(item)
+
+
+def test_a_recorded_wandb_run_of_an_entity_not_allowed_is_not_resumed(caplog):
+    recorded = {"id": "abc123", "project": "secret", "entity": "team-b"}
+    with caplog.at_level(logging.WARNING, logger="validation_service.sinks"):
+        target = wandb_target(recorded)
+    assert target["id"].startswith("ckval-") and target["project"] == "ckval"
+    assert any("validation job 7" in r.getMessage() for r in caplog.records)
+
+
+def test_a_recorded_wandb_run_of_an_allowed_entity_is_resumed():
+    recorded = {"id": "abc123", "project": "digits", "entity": "team-a"}
+    target = wandb_target(recorded, wandb_allowed_entities=["team-a"])
+    assert (target["id"], target["entity"], target["project"]) == ("abc123", "team-a", "digits")
+
+
+def test_another_ckval_runs_own_wandb_run_is_never_resumed():
+    recorded = {"id": "ckval-0123456789abcdef", "entity": "team-a"}
+    target = wandb_target(recorded, wandb_allowed_entities=["*"])
+    assert target["id"] != recorded["id"] and target["id"].startswith("ckval-")

@@ -211,7 +211,12 @@ def validated_rows(wandb_dir: Path, run_id: str) -> list[dict]:
 def test_wandb_offline_run_resumed_with_the_validated_metrics(ray_session, home):
     wandb_dir = home / "wandb-files"
     wandb_dir.mkdir()
-    settings = settings_for(home, [{"kind": "wandb", "mode": "offline", "dir": str(wandb_dir)}])
+    # An offline run has no entity: "" allows W&B's default one.
+    settings = settings_for(
+        home,
+        [{"kind": "wandb", "mode": "offline", "dir": str(wandb_dir)}],
+        wandb_allowed_entities=[""],
+    )
     run = f"wandb-{uuid.uuid4().hex[:6]}"
     training = wandb.init(project="digits", mode="offline", dir=str(wandb_dir))
     try:

@@ -183,6 +183,9 @@ class Settings(BaseSettings):
     # when a reporter recorded one; other runs get nothing, and the metrics go to the
     # sink's own run. CKVAL_MLFLOW_ALLOWED_EXPERIMENTS, comma-separated or a JSON list.
     mlflow_allowed_experiments: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # W&B entities ("*": any; "" for the API key's default one) whose recorded runs the
+    # W&B sink may resume (CKVAL_WANDB_ALLOWED_ENTITIES); others get the sink's own run.
+    wandb_allowed_entities: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Storage roots besides CKVAL_STORAGE under which gc, retention and the service may
     # delete checkpoint files (CKVAL_DELETABLE_ROOTS, comma-separated or a JSON list). A
     # run records the storage root its reporter chose: files under no root named here or
@@ -190,7 +193,11 @@ class Settings(BaseSettings):
     deletable_roots: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
 
     @field_validator(
-        "mlflow_allowed_uris", "deletable_roots", "mlflow_allowed_experiments", mode="before"
+        "mlflow_allowed_uris",
+        "deletable_roots",
+        "mlflow_allowed_experiments",
+        "wandb_allowed_entities",
+        mode="before",
     )
     @classmethod
     def _split_mlflow_allowed_uris(cls, value: Any) -> Any:

@@ -89,6 +89,7 @@ CHECKED_SETTINGS = frozenset(
         "mlflow_allowed_uris",
         "deletable_roots",
         "mlflow_allowed_experiments",
+        "wandb_allowed_entities",
         "sinks",
         "sink_attempts",
         "sink_backoff_s",

@@ -74,7 +74,7 @@ SINK_KINDS: dict[str, tuple[str, frozenset[str]]] = {
     ),
     "wandb": (
         "validation_service.sinks.wandb:WandbSink",
-        frozenset({"project", "entity", "prefix", "mode", "dir"}),
+        frozenset({"project", "entity", "prefix", "mode", "dir", "allowed_entities"}),
     ),
 }
 
@@ -230,7 +230,14 @@ class SinkDispatcher:
             "allowed_experiments": list(settings.mlflow_allowed_experiments),
         }
         return cls(
-            [{**allowed, **c} if c.get("kind") == "mlflow" else c for c in settings.sinks],
+            [
+                {**allowed, **c}
+                if c.get("kind") == "mlflow"
+                else {"allowed_entities": list(settings.wandb_allowed_entities), **c}
+                if c.get("kind") == "wandb"
+                else c
+                for c in settings.sinks
+            ],
             registry,
             stats,
             attempts=settings.sink_attempts,
