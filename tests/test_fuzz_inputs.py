@@ -1,6 +1,7 @@
 """Property-based tests (Hypothesis): whatever the path and query parameters of an HTTP
 request, or the integer arguments of a `ckval` command, the answer is a 2xx, 3xx or 4xx
-(never a 500) and the command ends with exit status 0, 1 or 2 and no traceback.
+(never a 500) and the command ends with exit status 0, 1 or 2 and no traceback. Text
+includes lone surrogates (a JSON escape) and, for the CLI, bytes that are not UTF-8.
 
 The registry is real (SQLite, and PostgreSQL for the API), with a run, checkpoints, an
 alias and a tag for the parameters to hit. Examples are bounded so that the module runs
@@ -9,6 +10,7 @@ in about twenty seconds.
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 from urllib.parse import quote
@@ -33,6 +35,13 @@ numbers = st.one_of(st.sampled_from(BOUNDS), st.integers(), st.integers(-(2**80)
 # What a path or query parameter may carry: numbers, names, and any text at all
 # (control characters, NUL, '/', '%', non-ASCII, very long).
 texts = st.text(min_size=1, max_size=60)
+# Lone surrogates: what a JSON body's "\ud800" escape decodes to, and what bytes that are
+# not UTF-8 decode to in sys.argv (surrogateescape).
+surrogates = st.sampled_from(["\ud800", "\udfff", "\udcff", "\udc80"])
+odd_texts = st.one_of(
+    st.builds(lambda a, s, b: a + s + b, st.text(max_size=10), surrogates, st.text(max_size=10)),
+    st.binary(min_size=1, max_size=20).map(lambda b: b.decode("utf-8", "surrogateescape")),
+)
 values = st.one_of(
     numbers.map(str), st.sampled_from([RUN, "best", "split", "acc", "a\x00b", "..", "%"]), texts
 )
@@ -73,6 +82,11 @@ ROUTES = [
     ("GET", "/ui/api/compare", ["runs", "metric", "mode"]),
     ("GET", "/ui/static/{name}", []),
     ("GET", "/metrics", []),
+    ("GET", "/runs/{run}/stop-policy", []),
+    ("PUT", "/runs/{run}/stop-policy", []),
+    ("DELETE", "/runs/{run}/stop-policy", []),
+    ("GET", "/runs/{run}/stop-decision", []),
+    ("POST", "/runs/{run}/resume-despite-stop", []),
 ]
 
 
@@ -121,13 +135,26 @@ def requests(draw):
     for name in ("run", "job", "alias", "index", "key", "name"):
         path = path.replace("{" + name + "}", quote(draw(values), safe=""))
     query = {name: draw(values) for name in query_names if draw(st.booleans())}
+    body_texts = st.one_of(texts, odd_texts)
     body = draw(
         st.one_of(
             st.none(),
-            st.fixed_dictionaries({"value": st.text(max_size=30)}),
+            st.fixed_dictionaries({"value": st.one_of(st.text(max_size=30), odd_texts)}),
             st.fixed_dictionaries({"report_index": st.one_of(numbers, floats, texts)}),
-            st.fixed_dictionaries({"track_metric": texts, "mode": values}),
+            st.fixed_dictionaries({"track_metric": body_texts, "mode": values}),
             st.fixed_dictionaries({"status": values}),
+            st.fixed_dictionaries(
+                {"metric": st.one_of(st.just("acc"), body_texts)},
+                optional={
+                    "mode": values,
+                    "patience": numbers,
+                    "warmup": numbers,
+                    "median_of_runs": st.booleans(),
+                    "threshold": floats,
+                    "divergence": floats,
+                    "min_delta": floats,
+                },
+            ),
         )
     )
     return method, path, query, body
@@ -142,7 +169,14 @@ def requests(draw):
 @given(request=requests())
 def test_no_path_or_query_parameter_gives_a_500(api, request):
     method, path, query, body = request
-    answer = api.request(method, path, params=query, json=body)
+    # The body as a client sends it: JSON, with a lone surrogate as a \ud800 escape.
+    answer = api.request(
+        method,
+        path,
+        params=query,
+        content=None if body is None else json.dumps(body),
+        headers={"Content-Type": "application/json"},
+    )
     assert answer.status_code < 500, (method, path, query, body, answer.text[:500])
 
 
@@ -158,6 +192,8 @@ def cli_database(tmp_path_factory) -> str:
 
 def commands(number: str) -> list[list[str]]:
     return [
+        ["stop-policy", RUN, "--metric", "acc", "--patience", number],
+        ["gc", RUN, "--metric", "acc", "--keep-best", number, "--save", "--yes"],
         ["tag", RUN, number, "split", "test"],
         ["tag", RUN, number, "split", "--delete"],
         ["alias", RUN, "best", number],
@@ -179,7 +215,53 @@ def commands(number: str) -> list[list[str]]:
 )
 @given(number=st.one_of(numbers.map(str), texts), which=st.integers(0, len(commands("0")) - 1))
 def test_no_integer_argument_gives_a_traceback(cli_database, number, which):
-    args = ["--database-url", cli_database, *commands(number)[which]]
+    assert_no_traceback(["--database-url", cli_database, *commands(number)[which]])
+
+
+def text_commands(text: str) -> list[list[str]]:
+    """Commands added or extended since round 2, with a text argument in each place."""
+    return [
+        ["tag", RUN, "0", "split", text],
+        ["tag", RUN, "0", text, "v"],
+        ["best", RUN, "--metric", text],
+        ["checkpoints", text],
+        ["search", f"metrics.acc > 0 and tags.split = '{text}'"],
+        ["search", text],
+        ["alias", RUN, text, "0"],
+        ["alias", RUN, "prod", "--track", "--metric", text],
+        ["jobs", "--pool", text],
+        ["stop-policy", RUN, "--metric", text, "--patience", "2"],
+        ["stop-policy", text],
+        ["run", text],
+    ]
+
+
+@settings(
+    max_examples=80,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(text=st.one_of(texts, odd_texts), which=st.integers(0, len(text_commands("x")) - 1))
+def test_no_text_argument_gives_a_traceback(cli_database, text, which):
+    """Surrogates and non-UTF-8 bytes (as sys.argv hands them over) included: those are
+    one `error:` line and exit status 2."""
+    args = ["--database-url", cli_database, *text_commands(text)[which]]
+    result = assert_no_traceback(args)
+    if any(not _encodes(arg) for arg in args):
+        assert result.exit_code == 2, (args, result.output)
+        assert result.output.count("error:") == 1, (args, result.output)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def assert_no_traceback(args: list[str]):
     result = CliRunner().invoke(ckval, args)
     assert result.exit_code in (0, 1, 2), (args, result.output, result.exception)
     if result.exit_code == 0:
@@ -187,3 +269,4 @@ def test_no_integer_argument_gives_a_traceback(cli_database, number, which):
     else:
         assert isinstance(result.exception, SystemExit), (args, result.exception)
     assert "Traceback" not in result.output, (args, result.output)
+    return result

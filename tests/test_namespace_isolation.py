@@ -156,8 +156,11 @@ def test_no_upload_outside_the_storage_root_is_registered_in_place_and_never_del
     assert in_place.uri == str(outside)
     CheckpointStorage(str(root)).verify(in_place.uri, in_place.manifest_sha256)
 
+    plan = client.registry.retention_plan(run_a, metric="accuracy", keep_latest=1)
     deleted = client.registry.apply_retention(run_a, metric="accuracy", keep_latest=1)
 
-    assert [r.uri for r in deleted] == [str(outside)]
+    # Outside the storage the settings name: kept whole, its row included.
+    assert deleted == [] and [r.uri for r in plan.kept_outside] == [str(outside)]
+    assert client.registry.checkpoints(run_a)[0].deleted_at is None
     assert everything(outside)["model.txt"] == json.dumps({"rank": 0})
     assert (outside / MANIFEST_NAME).is_file()

@@ -26,12 +26,15 @@ from validation_service.storage import CheckpointStorage
 
 
 @pytest.fixture
-def storage(tmp_path) -> CheckpointStorage:
+def storage(tmp_path, monkeypatch) -> CheckpointStorage:
+    """The test's storage, which is also the operator's (CKVAL_STORAGE): retention deletes
+    files only under the roots its settings name."""
+    monkeypatch.setenv("CKVAL_STORAGE", str(tmp_path / "storage"))
     return CheckpointStorage(str(tmp_path / "storage"))
 
 
 @pytest.fixture
-def clean_registry(registry):
+def clean_registry(storage, registry):
     """The registry fixture without stored retention policies (PostgreSQL's database
     lives for the session)."""
     clear_policies(registry)
@@ -111,14 +114,19 @@ def test_namespace_retention_across_runs_and_attempts(clean_registry, storage, t
 
 
 def test_retention_deletes_files_on_s3(clean_registry, s3_endpoint, tmp_path):  # noqa: F811
-    settings = Settings(storage_options=options_for(s3_endpoint))
+    root = f"s3://{BUCKET}/retention-{tmp_path.name}"
+    settings = Settings(storage=root, storage_options=options_for(s3_endpoint))
     registry = Registry(clean_registry.url, settings=settings)
-    storage = CheckpointStorage(
-        f"s3://{BUCKET}/retention-{tmp_path.name}", settings.storage_options
-    )
+    storage = CheckpointStorage(root, settings.storage_options)
     uris = report(
         registry, storage, "s3run", [{"loss": x} for x in (0.3, 0.1, 0.2)], workdir=tmp_path
     )
+    # An operator whose storage is another prefix of the bucket deletes nothing there.
+    elsewhere = settings.model_copy(update={"storage": f"{root}-other"})
+    other = Registry(clean_registry.url, settings=elsewhere)
+    assert other.apply_retention("s3run", metric="loss", mode="min") == []
+    other.close()
+    assert [storage.fs.exists(storage.path_of(uri)) for uri in uris] == [True, True, True]
     deleted = registry.apply_retention("s3run", metric="loss", mode="min")
     assert [r.report_index for r in deleted] == [0]
     storage.fs.invalidate_cache()

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from validation_service.config import Settings
+from trainer_integration._request import signed_request
+from validation_service.config import Settings, get_settings
 from validation_service.executors import AttemptHandle
 from validation_service.executors._run import run_attempt
 from validation_service.registry.records import ClaimedJob, JobOutcome
@@ -21,6 +22,7 @@ from validation_service.registry.registry import Registry
 from validation_service.request import ValidationRequest
 from validation_service.retry import RetryPolicy
 from validation_service.scheduler import Scheduler
+from validation_service.signing import PayloadTrust, job_binding
 from validation_service.storage import CheckpointStorage
 
 RUN = "sched"
@@ -125,8 +127,15 @@ def report(registry, tmp_path, index, validate_fn, **request):
         size_bytes=stored.size_bytes,
         manifest_sha256=stored.manifest_sha256,
         reported_metrics={"loss": 1.0 - index / 10},
-        job=ValidationRequest(**values),
+        job=signed(ValidationRequest(**values), index, stored.uri),
     ).job_id
+
+
+def signed(request: ValidationRequest, index: int, uri: str) -> ValidationRequest:
+    """The request signed as a reporter signs it (a reference is bound to its job too),
+    with this process's key: the one run_attempt verifies with."""
+    trust = PayloadTrust.from_settings(get_settings())
+    return signed_request(request, trust, job_binding("default", RUN, index, uri))
 
 
 def tick_until(scheduler, condition, timeout_s=30.0):

@@ -24,7 +24,8 @@ from validation_service.service import ValidationService
 PASSWORD = "pw-" + uuid.uuid4().hex[:12]
 KEY = "key-" + uuid.uuid4().hex[:12]
 STORAGE_SECRET = "storage-" + uuid.uuid4().hex[:12]
-SECRETS = (PASSWORD, KEY, STORAGE_SECRET)
+TRACKER_SECRET = "tracker-" + uuid.uuid4().hex[:12]
+SECRETS = (PASSWORD, KEY, STORAGE_SECRET, TRACKER_SECRET)
 
 
 def with_password(url: str, form: str) -> str:
@@ -176,7 +177,15 @@ def secret_service(postgres_server_url, ray_session, monkeypatch):
     monkeypatch.setenv("CKVAL_DATABASE_URL", url)
     monkeypatch.setenv("CKVAL_SECRET_KEY", KEY)
     monkeypatch.setenv("CKVAL_SERVICE_NAME", name)
-    monkeypatch.setenv("CKVAL_STORAGE_OPTIONS", json.dumps({"secret": STORAGE_SECRET}))
+    connection = f"AccountName=a;AccountKey={STORAGE_SECRET};"
+    monkeypatch.setenv(
+        "CKVAL_STORAGE_OPTIONS",
+        json.dumps({"secret": STORAGE_SECRET, "connection_string": connection}),
+    )
+    # The JSON form of a list of URLs, a password in one of them.
+    monkeypatch.setenv(
+        "CKVAL_MLFLOW_ALLOWED_URIS", json.dumps([f"https://alice:{TRACKER_SECRET}@m.example"])
+    )
     handle = ValidationService.start(settings=Settings())
     yield handle, url
     handle.stop()
@@ -193,9 +202,13 @@ def test_no_secret_reaches_ray_state_and_workers_still_get_them(secret_service):
     assert seen == {"database_url": url, "secret_key": KEY}
     public = json.loads(ray.get(handle.actor.settings_json.remote()))
     assert public["secret_key"] is None and PASSWORD not in public["database_url"]
-    assert public["storage_options"] == {"secret": "***"}
+    assert public["storage_options"] == {"secret": "***", "connection_string": "***"}
+    assert public["mlflow_allowed_uris"] == ["https://alice:***@m.example"]
     status = handle.status()
     assert not any(secret in json.dumps(status, default=str) for secret in SECRETS)
+    for log in runtime_env_logs():  # Ray's runtime_env agent logs each runtime_env
+        text = log.read_text(errors="replace")
+        assert not any(secret in text for secret in SECRETS), log
 
 
 def test_a_worker_without_the_withheld_secrets_and_no_service_fails_clearly(ray_session):

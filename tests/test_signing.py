@@ -278,16 +278,15 @@ def test_the_allowed_modules_setting_reads_a_list_or_commas(monkeypatch):
 def test_a_disallowed_module_is_refused_by_the_service_and_never_imported(
     tmp_path, unique_run, session_home
 ):
+    """A reporter whose settings allow any module reports a reference the service's
+    CKVAL_ALLOWED_MODULES does not allow: the service refuses it without importing it."""
     reporter = settings_for(tmp_path)
-    job_id = report_one(tmp_path, unique_run, reporter, validate_fn="json:dumps")
-    # The row now names a module whose import leaves a file in CKVAL_HOME.
+    job_id = report_one(
+        tmp_path, unique_run, reporter, validate_fn="tests.signing_marker_module:validate"
+    )
+    # The reporter imported it to check it; the service's workers must not.
     marker = session_home / "signing_marker_module.imported"
     marker.unlink(missing_ok=True)
-    tamper(
-        Registry(settings=reporter),
-        job_id,
-        validate_fn_ref="tests.signing_marker_module:validate",
-    )
 
     service = reporter.model_copy(update={"allowed_modules": ["json"]})
     job = run_jobs(service, unique_run).get_job(job_id)
@@ -300,16 +299,18 @@ def test_a_disallowed_module_is_refused_by_the_service_and_never_imported(
 
 def test_allowed_modules_bound_the_whole_reference_not_only_its_module(tmp_path, unique_run):
     """With only "json" allowed, "json:codecs.open" walks from json into codecs: refused
-    when reported, and by the service for a row that names it."""
+    when reported, and by the service for a reference a reporter without the list signed."""
     settings = settings_for(tmp_path, allowed_modules=["json"])
     client = Client(unique_run, settings, start_service=False)
     with pytest.raises(ModuleNotAllowed, match="'json:codecs.open' leads to codecs, outside"):
         client.report({"x": 1}, make_checkpoint(tmp_path, 1), validate_fn="json:codecs.open")
     assert client.registry.checkpoints(unique_run) == []
+    client.close()
 
-    job_id = report_one(tmp_path, unique_run, settings, validate_fn="json:dumps")
-    tamper(Registry(settings=settings), job_id, validate_fn_ref="json:codecs.open")
-    job = run_jobs(settings, unique_run).get_job(job_id)
+    unrestricted = settings.model_copy(update={"allowed_modules": None})
+    run = f"{unique_run}-b"
+    job_id = report_one(tmp_path, run, unrestricted, validate_fn="json:codecs.open")
+    job = run_jobs(settings, run).get_job(job_id)
     assert job.status == "FAILED" and job.error_type == "ModuleNotAllowed"
     assert "leads to codecs" in job.error_message
 

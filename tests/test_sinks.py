@@ -134,7 +134,8 @@ def mlflow_uri(home):
 
 @pytest.mark.ray
 def test_mlflow_gets_validated_metrics_in_the_trainings_run(ray_session, home, mlflow_uri):
-    settings = settings_for(home, [{"kind": "mlflow"}])
+    # The training's run is in MLflow's default experiment, which the settings allow.
+    settings = settings_for(home, [{"kind": "mlflow"}], mlflow_allowed_experiments=["Default"])
     run = f"mlflow-active-{uuid.uuid4().hex[:6]}"
     with mlflow.start_run() as training:
         mlflow.log_metric("loss", 0.5, step=10)
@@ -210,7 +211,12 @@ def validated_rows(wandb_dir: Path, run_id: str) -> list[dict]:
 def test_wandb_offline_run_resumed_with_the_validated_metrics(ray_session, home):
     wandb_dir = home / "wandb-files"
     wandb_dir.mkdir()
-    settings = settings_for(home, [{"kind": "wandb", "mode": "offline", "dir": str(wandb_dir)}])
+    # An offline run has no entity: "" allows W&B's default one.
+    settings = settings_for(
+        home,
+        [{"kind": "wandb", "mode": "offline", "dir": str(wandb_dir)}],
+        wandb_allowed_entities=[""],
+    )
     run = f"wandb-{uuid.uuid4().hex[:6]}"
     training = wandb.init(project="digits", mode="offline", dir=str(wandb_dir))
     try:
@@ -256,7 +262,12 @@ def test_the_service_logs_validated_metrics_to_mlflow(ray_session, home, mlflow_
 
     # The service's own tracking URI is its default: the training's server is one its
     # settings must allow.
-    settings = settings_for(home, [{"kind": "mlflow"}], mlflow_allowed_uris=[mlflow_uri])
+    settings = settings_for(
+        home,
+        [{"kind": "mlflow"}],
+        mlflow_allowed_uris=[mlflow_uri],
+        mlflow_allowed_experiments=["Default"],
+    )
     service = ValidationService.start(settings=settings)
     try:
         run = f"mlflow-service-{uuid.uuid4().hex[:6]}"
@@ -379,7 +390,12 @@ def test_a_recorded_tracking_server_that_the_settings_allow_gets_the_metrics(
     training = mlflow.MlflowClient(other)
     experiment = training.create_experiment("training")
     training_run = training.create_run(experiment).info.run_id
-    settings = settings_for(home, [{"kind": "mlflow"}], mlflow_allowed_uris=[other])
+    settings = settings_for(
+        home,
+        [{"kind": "mlflow"}],
+        mlflow_allowed_uris=[other],
+        mlflow_allowed_experiments=["training"],
+    )
     run = f"mlflow-allowed-{uuid.uuid4().hex[:6]}"
     client = report_checkpoints(settings, run, home, {5: 0.75})
     client.registry.ledger.tag_run(

@@ -18,9 +18,10 @@ METRIC = "acc\x1b[8m"  # hides what follows
 
 
 @pytest.fixture
-def url(tmp_path) -> str:
+def url(tmp_path, monkeypatch) -> str:
     """Run "r": checkpoint 0 tagged TITLE with the metric METRIC, and a FAILED job whose
-    error message clears the screen."""
+    error message clears the screen. The storage (CKVAL_STORAGE) is tmp_path."""
+    monkeypatch.setenv("CKVAL_STORAGE", str(tmp_path))
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     run_id = registry.ledger.ensure_run("r", storage_root=str(tmp_path))
     for index in (0, 1):

@@ -22,7 +22,7 @@ from validation_service.errors import InvalidInput
 from validation_service.jobs import ExecutorKind
 from validation_service.metrics import normalize_metrics, to_plain
 from validation_service.request import ValidationRequest
-from validation_service.signing import VALIDATE_CONFIG, VALIDATE_FN, PayloadTrust
+from validation_service.signing import VALIDATE_CONFIG, VALIDATE_FN, PayloadTrust, form_binding
 from validation_service.validate_fn import import_validate_fn, takes_config_as_keywords
 from validation_service.validation import (
     check_checkpoint,
@@ -228,7 +228,9 @@ def _checked_resources(validate_fn, validation_resources: dict | None) -> dict[s
 
 def signed_request(job: ValidationRequest | None, trust: PayloadTrust, bound_to=None):
     """The request as it is stored: its pickled validate_fn and validate_config signed
-    with the reporter's key for the job ``bound_to`` names (signing.job_binding).
+    with the reporter's key for the job ``bound_to`` names (signing.job_binding); the
+    validate_config's signature also covers the validate_fn's reference, if it is one
+    (signing.form_binding).
 
     Raises ModuleNotAllowed for a reference outside the reporter's allowed modules,
     before anything is stored (all it does without ``bound_to``). Signing a signed
@@ -241,9 +243,12 @@ def signed_request(job: ValidationRequest | None, trust: PayloadTrust, bound_to=
     if bound_to is None:
         return job
     fn, config = job.validate_fn_pickle, job.validate_config
+    if config is None:  # every job signs one: it binds the validate_fn's form
+        config = cloudpickle.dumps({})
     signed_fn = trust.sign(VALIDATE_FN, fn, bound_to=bound_to)
-    signed_config = trust.sign(VALIDATE_CONFIG, config, bound_to=bound_to)
-    if signed_fn is fn and signed_config is config:
+    form = form_binding(bound_to, job.validate_fn_ref if fn is None else None)
+    signed_config = trust.sign(VALIDATE_CONFIG, config, bound_to=form)
+    if signed_fn is fn and signed_config is job.validate_config:
         return job
     return dataclasses.replace(job, validate_fn_pickle=signed_fn, validate_config=signed_config)
 

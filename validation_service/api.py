@@ -205,8 +205,9 @@ def _add_job_routes(app: FastAPI, registry: Registry, settings: Settings) -> Non
     """
 
     def changed(jobs: list[int], what: str) -> JSONResponse:
-        if jobs:
-            tell_service(settings, what)
+        problem = tell_service(settings, what) if jobs else None
+        if problem:
+            logger.warning("could not tell the ckval service (%s): %s", what, problem)
         return _json({"jobs": jobs})
 
     def cancel(job_ids: list[int] | None = None, run: str | None = None) -> JSONResponse:

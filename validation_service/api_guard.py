@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import time
 from urllib.parse import quote, urlencode, urlsplit
 
 from fastapi.responses import JSONResponse, RedirectResponse
@@ -33,6 +34,8 @@ PUBLIC_PATHS = frozenset({"/healthz"})
 UI_PREFIX = "/ui"
 TOKEN_COOKIE = "ckval_token"
 TOKEN_COOKIE_MAX_AGE_S = 12 * 3600
+# A cookie issued by a server whose clock runs this much ahead is still taken.
+COOKIE_CLOCK_SKEW_S = 300
 MIN_TOKEN_LENGTH = 16
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 # Bind addresses that mean "every interface": not a name a client sends as Host.
@@ -133,10 +136,40 @@ def _host_name(host: str) -> str:
     return host
 
 
-def _dashboard_cookie(token: str) -> str:
+def _now() -> float:
+    return time.time()
+
+
+def _dashboard_cookie(token: str, issued_at: int) -> str:
     # The cookie holds a value derived from the token, not the token: a leaked cookie is
-    # not a Bearer token, and it stops working when the token is rotated.
-    return hmac.new(token.encode(), b"ckval dashboard cookie", hashlib.sha256).hexdigest()
+    # not a Bearer token, it stops working when the token is rotated, and the time it was
+    # issued is signed with it, so that the server refuses it after its lifetime.
+    message = b"ckval dashboard cookie\x00" + str(issued_at).encode()
+    return f"{issued_at}.{hmac.new(token.encode(), message, hashlib.sha256).hexdigest()}"
+
+
+def _cookie_is_valid(cookie: str, token: str) -> bool:
+    """Whether ``cookie`` was issued for ``token`` within TOKEN_COOKIE_MAX_AGE_S."""
+    issued, dot, _mac = cookie.partition(".")
+    if not dot or not issued.isdigit() or len(issued) > 12:
+        return False
+    age = _now() - int(issued)
+    if not -COOKIE_CLOCK_SKEW_S <= age <= TOKEN_COOKIE_MAX_AGE_S:
+        return False
+    return _same(cookie, _dashboard_cookie(token, int(issued)))
+
+
+def _client_is_local(conn: HTTPConnection) -> bool:
+    """Whether the peer is this machine: a loopback address, or no network address at
+    all (a Unix socket, an in-process client)."""
+    if conn.client is None or not conn.client.host:
+        return True
+    try:
+        address = ipaddress.ip_address(conn.client.host.split("%")[0])
+    except ValueError:
+        return True  # no IP address: not a network peer
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def _same(given: str, expected: str) -> bool:
@@ -171,7 +204,6 @@ class ApiGuard:
     def __init__(self, app: ASGIApp, *, token: str | None, hosts: frozenset[str] | None):
         self.app = app
         self.token = token
-        self.cookie = None if token is None else _dashboard_cookie(token)
         self.hosts = hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -207,6 +239,15 @@ class ApiGuard:
                 "(comma-separated names, or * for any) on the server, or use one of: "
                 f"{', '.join(sorted(self.hosts))}.",
             )
+        if self.token is None and not _client_is_local(conn):
+            # However the app is served: without a token it answers this machine only.
+            return _error(
+                403,
+                "TokenRequired",
+                "This API has no token, so it answers clients on this machine only. Set "
+                "CKVAL_API_TOKEN on the server to serve other machines (they then send "
+                "`Authorization: Bearer <token>`).",
+            )
         mutating = conn.scope.get("method") not in _SAFE_METHODS  # a WebSocket has none
         if mutating and not _same_origin(conn, host):
             return _error(
@@ -226,7 +267,7 @@ class ApiGuard:
         return None
 
     def _authenticate(self, conn: HTTPConnection, mutating: bool) -> Response | None:
-        assert self.token is not None and self.cookie is not None
+        assert self.token is not None
         scheme, _, credentials = conn.headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer":
             if _same(credentials.strip(), self.token):
@@ -242,7 +283,7 @@ class ApiGuard:
                 return self._cookie_redirect(conn)
             return _unauthorized("The token in the URL is not this API's token.", invalid=True)
         cookie = conn.cookies.get(TOKEN_COOKIE)
-        if cookie is not None and _same(cookie, self.cookie):
+        if cookie is not None and _cookie_is_valid(cookie, self.token):
             # A WebSocket handshake passed the same-origin check, which needs an Origin
             # from a browser there: the cookie stands for the token.
             websocket = conn.scope["type"] == "websocket" and "origin" in conn.headers
@@ -251,6 +292,12 @@ class ApiGuard:
             return _unauthorized(
                 "The dashboard cookie alone does not allow changes: send the request with "
                 "an X-Requested-With header or a JSON body, or with the Bearer token."
+            )
+        if cookie is not None:
+            return _unauthorized(
+                f"The dashboard cookie has expired (it lasts {TOKEN_COOKIE_MAX_AGE_S // 3600} "
+                f"hours) or was issued for an older token: open {UI_PREFIX}/?token=<token> "
+                "again, or send `Authorization: Bearer <token>`."
             )
         return _unauthorized(
             "This API needs `Authorization: Bearer <token>`, the token set as "
@@ -261,7 +308,7 @@ class ApiGuard:
     def _cookie_redirect(self, conn: HTTPConnection) -> Response:
         """Sets the dashboard cookie and sends the browser to the URL without the token,
         so that the token stays out of the address bar, history and Referer headers."""
-        assert self.cookie is not None
+        assert self.token is not None
         query = urlencode([(k, v) for k, v in conn.query_params.multi_items() if k != "token"])
         # A path, never a full URL: the redirect cannot lead off this site (the path
         # starts with UI_PREFIX, so it is not a "//host" URL either).
@@ -269,7 +316,7 @@ class ApiGuard:
         response = RedirectResponse(location, status_code=303)
         response.set_cookie(
             TOKEN_COOKIE,
-            self.cookie,
+            _dashboard_cookie(self.token, int(_now())),
             max_age=TOKEN_COOKIE_MAX_AGE_S,
             path="/",
             secure=conn.url.scheme == "https",

@@ -46,6 +46,21 @@ def _exit_code(exc: BaseException) -> int | None:
 
 
 class _Group(click.Group):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # Bytes that are not UTF-8 reach Python's argv as lone surrogates, which no
+        # registry stores and no terminal prints: refused before anything runs.
+        for arg in args:
+            try:
+                arg.encode("utf-8")
+            except UnicodeEncodeError:
+                echo(
+                    f"error: the argument {arg!r} is not UTF-8 text (the escapes mark bytes "
+                    "that do not decode as UTF-8); pass names and values in UTF-8",
+                    err=True,
+                )
+                raise click.exceptions.Exit(EXIT_USAGE) from None
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)

@@ -235,7 +235,8 @@ def job(ctx: click.Context, job_id: int, as_json: bool) -> None:
     """Show one validation job, its attempts and its stored traceback."""
     from validation_service._format import format_value, short_node_id
 
-    record = registry_of(ctx).get_job(job_id)
+    registry = registry_of(ctx)
+    record = registry.get_job(job_id, namespace=registry.namespace)
     if as_json:
         from validation_service.views import job_json
 
@@ -290,9 +291,9 @@ def cancel(ctx: click.Context, job_ids: tuple[int, ...], run: str | None) -> Non
     from validation_service.views import tell_service
 
     done = registry_of(ctx).cancel_jobs(_known_jobs(ctx, job_ids), run=run)
-    if done:
-        tell_service(registry_of(ctx).settings, "check_leases", connect=True)
     echo(f"cancelled {len(done)} job(s): {done}")
+    if done:
+        _say_if_untold(tell_service(registry_of(ctx).settings, "check_leases", connect=True))
 
 
 @click.command()
@@ -310,16 +311,28 @@ def retry(ctx: click.Context, job_ids: tuple[int, ...], run: str | None, failed:
     from validation_service.views import tell_service
 
     done = registry_of(ctx).retry_jobs(_known_jobs(ctx, job_ids), run=run, statuses=statuses)
-    if done:
-        tell_service(registry_of(ctx).settings, "nudge", connect=True)
     echo(f"requeued {len(done)} job(s): {done}")
+    if done:
+        _say_if_untold(tell_service(registry_of(ctx).settings, "nudge", connect=True))
 
 
 def _known_jobs(ctx: click.Context, job_ids: tuple[int, ...]) -> list[int] | None:
-    """The job ids given, each checked to exist: an unknown one is an error naming it."""
+    """The job ids given, each checked to exist in this namespace (as the HTTP API
+    checks): an unknown one, or another namespace's, is an error naming it."""
+    registry = registry_of(ctx)
     for job_id in job_ids:
-        registry_of(ctx).get_job(job_id)  # raises JobNotFound
+        registry.get_job(job_id, namespace=registry.namespace)  # raises JobNotFound
     return list(job_ids) or None
+
+
+def _say_if_untold(problem: str | None) -> None:
+    """The registry changed; says so when the running service could not be told."""
+    if problem:
+        echo(
+            f"the change is in the registry, but the ckval service could not be told "
+            f"({problem}): it picks the change up at its next poll or lease check",
+            err=True,
+        )
 
 
 COMMANDS: list[click.Command] = [jobs, job, cancel, retry]

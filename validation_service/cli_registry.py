@@ -11,10 +11,11 @@ from typing import Any
 
 import click
 
-from validation_service._format import echo
+from validation_service._format import echo, inert
 from validation_service._table import render
 from validation_service.cli_common import registry_of
 from validation_service.errors import on_ckval_error
+from validation_service.secrets import mask_url
 
 RUN_STATUSES = ("RUNNING", "FINISHED", "FAILED")
 
@@ -188,7 +189,8 @@ def gc_command(
     rule keeps. Checkpoints with an alias, with a validation in flight, and each run's
     latest are always kept. Files go only from inside a checkpoint's own run folder and
     never from a folder another checkpoint uses; a NO_UPLOAD checkpoint outside the
-    storage root keeps its files."""
+    storage root keeps its files. A checkpoint under no storage root of these settings
+    (CKVAL_STORAGE, CKVAL_DELETABLE_ROOTS) is kept whole and listed as such."""
     registry = registry_of(ctx)
     rule = {
         "metric": metric,
@@ -197,10 +199,12 @@ def gc_command(
         "keep_best_per_run": keep_best_per_run,
         "keep_latest": keep_latest,
     }
-    going = registry.apply_retention(run, **rule, dry_run=True)
+    plan = registry.retention_plan(run, **rule)
+    going = plan.deleting
     if save:
         registry.set_retention(run, **rule)
         echo(f"stored the retention policy of {run or 'the namespace'}", err=as_json)
+    _say_kept_outside(plan.kept_outside, as_json)
     if not going:
         echo("[]" if as_json else "nothing to delete")
         return
@@ -215,6 +219,16 @@ def gc_command(
             _print_records(deleted, True)
         else:
             echo(f"deleted {len(deleted)} checkpoint(s)")
+
+
+def _say_kept_outside(records, as_json: bool) -> None:
+    """One line per checkpoint gc keeps because it lies outside the configured storage
+    (on stderr with --json, whose stdout is the JSON)."""
+    from validation_service.registry.retention import KEPT_OUTSIDE
+
+    for record in records:
+        shown = f"{record.run}/{record.report_index} at {mask_url(record.uri)}"
+        echo(inert(f"{shown}: {KEPT_OUTSIDE}"), err=as_json)
 
 
 def _deletion_confirmed(going, metric: str) -> bool:

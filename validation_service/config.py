@@ -179,7 +179,26 @@ class Settings(BaseSettings):
     # JSON list; credentials in them stay with the service.
     mlflow_allowed_uris: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
 
-    @field_validator("mlflow_allowed_uris", mode="before")
+    # MLflow experiments (names or ids; "*": any) whose runs the MLflow sink may log into
+    # when a reporter recorded one; other runs get nothing, and the metrics go to the
+    # sink's own run. CKVAL_MLFLOW_ALLOWED_EXPERIMENTS, comma-separated or a JSON list.
+    mlflow_allowed_experiments: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # W&B entities ("*": any; "" for the API key's default one) whose recorded runs the
+    # W&B sink may resume (CKVAL_WANDB_ALLOWED_ENTITIES); others get the sink's own run.
+    wandb_allowed_entities: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Storage roots besides CKVAL_STORAGE under which gc, retention and the service may
+    # delete checkpoint files (CKVAL_DELETABLE_ROOTS, comma-separated or a JSON list). A
+    # run records the storage root its reporter chose: files under no root named here or
+    # in CKVAL_STORAGE are kept.
+    deletable_roots: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
+
+    @field_validator(
+        "mlflow_allowed_uris",
+        "deletable_roots",
+        "mlflow_allowed_experiments",
+        "wandb_allowed_entities",
+        mode="before",
+    )
     @classmethod
     def _split_mlflow_allowed_uris(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -210,6 +229,11 @@ class Settings(BaseSettings):
         if self.storage:
             return self.storage
         return str(self.resolved_home() / "checkpoints")
+
+    def deletion_roots(self) -> list[str]:
+        """The storage roots checkpoint files may be deleted under: CKVAL_STORAGE (or the
+        embedded default) and CKVAL_DELETABLE_ROOTS."""
+        return [self.resolved_storage(), *self.deletable_roots]
 
     def replicas_for(self, database_url: str) -> int:
         """How many replicas the service runs on this database; raises InvalidSettings
@@ -296,9 +320,9 @@ def _parsing_message(exc: SettingsError) -> str:
 
 def _shown(field: str, value: Any) -> str:
     """A bad value as an error shows it: never one of a setting that may hold credentials."""
-    from validation_service.secrets import JSON_FIELDS, SECRET_FIELDS
+    from validation_service.secrets import CREDENTIAL_FIELDS, SECRET_FIELDS
 
-    if field in (*JSON_FIELDS, *SECRET_FIELDS, "database_url", "storage"):
+    if field in (*CREDENTIAL_FIELDS, *SECRET_FIELDS):
         return "a value that is not shown here, as it may hold credentials"
     return repr(value)
 

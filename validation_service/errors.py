@@ -310,8 +310,9 @@ class PayloadSignatureError(CkvalError, PermissionError):
         where = f"validation job {job_id}: " if job_id is not None else ""
         super().__init__(
             f"{where}the stored {kind} payload's signature did not verify ({reason}), so it "
-            "was not unpickled. Either the validation_jobs row was changed after it was "
-            "reported (a tampered database: investigate before anything else), or the "
+            "was not unpickled, nor any validate_fn reference imported. Either the "
+            "validation_jobs row was changed after it was reported (a tampered database: "
+            "investigate before anything else), or the "
             "process that reported it and the service use different CKVAL_SECRET_KEY values. "
             "Set the same CKVAL_SECRET_KEY on the service and every reporter (during a key "
             "rotation, the old key as CKVAL_SECRET_KEY_PREVIOUS on the service), then "

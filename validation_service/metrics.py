@@ -65,6 +65,14 @@ def normalize_metrics(metrics: Any, *, what: str) -> dict[str, Any]:
                 f"({key[:40]!r}...); at most {MAX_METRIC_NAME} are allowed."
             )
         plain[key] = _rankable_if_int(to_plain(value), key, what)
+    for text in _texts(plain):
+        if "\x00" in text or not _encodes(text):
+            raise _invalid_input(
+                f"{what} holds the text {text!r} (a metric name, or a name or text inside a "
+                "value), which no registry can store: it has a NUL character or a lone "
+                "surrogate (as text decoded with errors='surrogateescape' has). Use plain "
+                f"text, e.g. {text.encode('utf-8', 'replace').decode().replace(chr(0), '')!r}."
+            )
     try:
         encoded = json.dumps(plain, default=_reject)
     except (TypeError, ValueError) as exc:
@@ -75,6 +83,27 @@ def normalize_metrics(metrics: Any, *, what: str) -> dict[str, Any]:
             "stored per checkpoint. Keep large values in the checkpoint files instead."
         )
     return plain
+
+
+def _texts(value: Any):
+    """Every str in a plain value: dict keys and str values, at any depth."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _texts(key)
+            yield from _texts(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _texts(item)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}

@@ -24,40 +24,57 @@ MASK = "***"
 # Settings fields that are secrets as a whole (a field another module adds is covered by name).
 SECRET_FIELDS = ("secret_key", "secret_key_previous", "api_token")
 
-# Query-string parameters (and storage option keys) whose value is a secret.
-_SECRET_NAMES = {
+# Settings that can hold a credential inside them, in every form each accepts: a URL
+# (user info, secret query parameters), a JSON object (secret option names, URLs and
+# connection strings anywhere in it), a JSON list or comma-separated URLs. A variable
+# among them that holds one is withheld from Ray's runtime_env (ckval_env), and each is
+# masked by public_settings. tests/test_credential_settings.py makes every new setting
+# be put here, in SECRET_FIELDS, or among the plain ones.
+CREDENTIAL_FIELDS = (
+    "database_url",
+    "storage",
+    "storage_options",
+    "sinks",
+    "mlflow_allowed_uris",
+    "deletable_roots",
+)
+
+# The rule for secret-looking names (query parameters, option keys, header names): the
+# name is split into words at every character that is not a letter or a digit and where
+# a lower-case letter is followed by an upper-case one ("x-api-key", "AccountKey",
+# "connectionString"). It is secret when one of its words is a secret word, or its words
+# run together contain a secret stem ("PGPASSWORD", "sessionToken", "conn_str").
+_SECRET_WORDS = frozenset({"key", "pass", "pwd", "pw", "auth", "oauth", "dsn", "sig", "sas"})
+_SECRET_STEMS = (
     "password",
     "passwd",
-    "pwd",
-    "token",
+    "passphrase",
     "secret",
-    "key",
-    "access_key",
-    "secret_key",
-    "aws_secret_access_key",
-    "aws_session_token",
-    "session_token",
-    "sslpassword",
-    "api_key",
+    "token",
+    "credential",
     "apikey",
-    "access_token",
-    "client_secret",
-    "credentials",
-    "account_key",
-    "sas_token",
-}
-_SECRET_PARTS = ("password", "passwd", "secret", "token", "credential")
+    "privatekey",
+    "authoriz",
+    "authentic",
+    "connectionstring",
+    "connstr",
+    "signature",
+    "cookie",
+)
+_WORD_BREAK = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+# Schemes whose user name alone may be a credential (a token given as the user name).
+_TOKEN_AS_USER_SCHEMES = ("http", "https", "ws", "wss")
 
 
 def is_secret_name(name: str) -> bool:
-    """Whether a query parameter or option of this name holds a secret."""
-    lowered = name.lower()
-    return (
-        lowered in _SECRET_NAMES
-        or any(part in lowered for part in _SECRET_PARTS)
-        or lowered.endswith("_key")
+    """Whether a query parameter, option or header of this name holds a secret (the
+    rule above: a secret word, or a secret stem in its words run together)."""
+    words = [word.lower() for word in _WORD_BREAK.split(str(name)) if word]
+    joined = "".join(words)
+    return any(word in _SECRET_WORDS for word in words) or any(
+        stem in joined for stem in _SECRET_STEMS
     )
 
 
@@ -102,14 +119,19 @@ def _mask_sqlalchemy_password(text: str) -> str:
 
 
 def _mask_userinfo(text: str) -> str:
-    """``text`` with a password in ``user:password@`` as urllib (and fsspec) read it."""
+    """``text`` with a password in ``user:password@`` as urllib (and fsspec) read it; an
+    HTTP(S) URL's user info with no password is a credential itself (a token given as
+    the user name, as GitHub and many servers take it) and is masked whole."""
     parts = urlsplit(text)
     userinfo, at, host = parts.netloc.rpartition("@")
     user, colon, password = userinfo.partition(":")
+    start = text.index("://") + 3
+    rest = text[start + len(parts.netloc) :]
+    if at and not colon and userinfo != MASK and parts.scheme.lower() in _TOKEN_AS_USER_SCHEMES:
+        return f"{text[:start]}{MASK}@{host}{rest}"
     if not at or not colon or password == MASK:
         return text
-    start = text.index("://") + 3
-    return f"{text[:start]}{user}:{MASK}@{host}{text[start + len(parts.netloc) :]}"
+    return f"{text[:start]}{user}:{MASK}@{host}{rest}"
 
 
 def _mask_query(text: str) -> str:
@@ -129,15 +151,16 @@ def _mask_query(text: str) -> str:
 
 
 def without_credentials(url: str) -> str:
-    """``url`` with no password, no user and no secret query parameter: fit to store and
-    serve (e.g. the tracking URI a run was logged to); other text comes back unchanged."""
+    """``url`` with no user info at all (user and password, whatever the scheme) and no
+    secret query parameter: fit to store and serve (e.g. the tracking URI a run was
+    logged to); other text comes back unchanged."""
     text = mask_url(url)
     if not _URL.match(text):
         return text
     start = text.index("://") + 3
-    at = text.find(f":{MASK}@", start)
-    if at >= 0 and "/" not in text[start:at]:
-        text = text[:start] + text[at + len(MASK) + 2 :]
+    netloc = urlsplit(text).netloc
+    if "@" in netloc:
+        text = text[:start] + netloc.rpartition("@")[2] + text[start + len(netloc) :]
     base, _, query = text.partition("?")
     kept = "&".join(pair for pair in query.split("&") if pair.partition("=")[2] != MASK)
     return f"{base}?{kept}" if kept else base
@@ -158,25 +181,40 @@ def mask_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def mask_value(value: Any) -> Any:
-    """``value`` (a str, or dicts and lists of them) with every secret in it masked."""
+    """``value`` (a str, or dicts and lists of them) with every secret in it masked: URLs'
+    credentials, and secret parts of connection strings ("...;AccountKey=...;")."""
     if isinstance(value, dict):
         return mask_options(value)
     if isinstance(value, (list, tuple)):
         return [mask_value(item) for item in value]
-    return mask_url(value) if isinstance(value, str) else value
+    if not isinstance(value, str):
+        return value
+    return mask_url(value) if _URL.match(value) else _mask_connection_string(value)
+
+
+# "Name=value" parts of a connection string, separated by ';' (Azure, ODBC, ADO.NET).
+_CONNECTION_PART = re.compile(r"(?P<name>[^;=]+?)(?P<eq>\s*=\s*)(?P<value>[^;]*)")
+
+
+def _mask_connection_string(text: str) -> str:
+    if "=" not in text or ";" not in text:
+        return text
+    return _CONNECTION_PART.sub(
+        lambda m: m.group() if not is_secret_name(m["name"]) else m["name"] + m["eq"] + MASK,
+        text,
+    )
 
 
 def public_settings(settings: Settings) -> Settings:
     """A copy of ``settings`` with no secret: fit to return from the service or to show.
 
-    The database URL is masked, whole secret fields are cleared and secret storage
-    options are shown as ***.
+    Every credential-bearing setting (CREDENTIAL_FIELDS) is masked, and whole secret
+    fields are cleared.
     """
     update: dict[str, Any] = {
-        "database_url": mask_url(settings.database_url) if settings.database_url else None,
-        "storage_options": mask_options(settings.storage_options),
-        "storage": mask_url(settings.storage) if settings.storage else None,
-        "sinks": mask_value(settings.sinks),
+        name: mask_value(getattr(settings, name))
+        for name in CREDENTIAL_FIELDS
+        if name in type(settings).model_fields
     }
     for name in SECRET_FIELDS:
         if name in type(settings).model_fields:
@@ -204,7 +242,7 @@ def secret_env_vars(environ: dict[str, str] | None = None) -> list[str]:
             continue
         if field in SECRET_FIELDS or has_secret(value):
             secret.append(name)
-        elif field in JSON_FIELDS and _json_has_secret(value):
+        elif field in CREDENTIAL_FIELDS and _text_has_secret(value):
             secret.append(name)
     return sorted(secret)
 
@@ -260,20 +298,19 @@ def worker_settings(settings: Settings, served: Callable[[], Settings]) -> Setti
     return settings.model_copy(update={field: getattr(service, field) for field in fields})
 
 
-# Settings given as JSON that may hold credentials (storage options, a sink's tracking
-# URI): withheld from Ray and never echoed in an error.
-JSON_FIELDS = ("storage_options", "sinks")
-
-
-def _json_has_secret(value: str) -> bool:
+def _text_has_secret(value: str) -> bool:
+    """Whether a credential-bearing variable holds a secret in any form it is read in: a
+    URL, JSON (an object or a list), or comma-separated URLs."""
     text = (value or "").strip()
-    if not text.startswith(("{", "[")):
-        return False  # "mlflow,wandb": sink kinds, nothing else
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        return True  # not readable here: treat it as secret rather than show it
-    return mask_value(parsed) != parsed
+    if has_secret(text) or mask_value(text) != text:
+        return True
+    if text.startswith(("{", "[")):
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            return True  # not readable here: treat it as secret rather than show it
+        return mask_value(parsed) != parsed
+    return any(has_secret(part.strip()) for part in text.split(","))
 
 
 def _sqlalchemy_url_text(url: Any) -> str:

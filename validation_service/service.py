@@ -381,7 +381,13 @@ def _with_secrets_of(running: Settings, settings: Settings) -> Settings:
     """The running service's settings, with this process's secrets for the same database."""
     secrets_here = {
         name: getattr(settings, name)
-        for name in ("database_url", "storage_options", "sinks", *SECRET_FIELDS)
+        for name in (
+            "database_url",
+            "storage_options",
+            "sinks",
+            "mlflow_allowed_uris",
+            *SECRET_FIELDS,
+        )
         if name in Settings.model_fields
     }
     if has_secret(settings.storage):

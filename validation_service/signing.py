@@ -116,6 +116,20 @@ def job_binding(namespace: str, run: str, report_index: int, uri: str) -> bytes:
     return json.dumps([namespace, run, report_index, uri]).encode()
 
 
+def form_binding(bound_to: bytes, validate_fn_ref: str | None) -> bytes:
+    """What a job's validate_config is bound to: its checkpoint (``bound_to``,
+    job_binding) and the form of its validate_fn, the whole reference when it is one
+    (``validate_fn_ref``; None for a pickled validate_fn, which is signed itself).
+
+    The reference is never run unsigned: changing it, or turning a pickled job into a
+    reference, without the key leaves the validate_config's signature unverifiable.
+    """
+    if validate_fn_ref is None:
+        return bound_to
+    # job_binding is JSON, which holds no NUL byte: the two parts cannot run together.
+    return bound_to + b"\x00validate_fn_ref\x00" + validate_fn_ref.encode("utf-8", "surrogatepass")
+
+
 def _mac(key: bytes, kind: str, bound_to: bytes, data: bytes) -> bytes:
     if kind not in _KINDS:
         raise ValueError(f"unknown payload kind {kind!r}")

@@ -78,8 +78,8 @@ class StopPolicy:
             )
         if self.patience is not None and not _is_int(self.patience, least=1):
             raise InvalidInput(
-                f"StopPolicy patience must be a whole number of validated checkpoints >= 1 "
-                f"(or None for no patience rule), got {self.patience!r}"
+                f"StopPolicy patience must be a whole number of validated checkpoints from 1 "
+                f"to {_MOST} (or None for no patience rule), got {self.patience!r}"
             )
         if not _is_number(self.min_delta) or not math.isfinite(self.min_delta):
             raise InvalidInput(
@@ -97,8 +97,8 @@ class StopPolicy:
             )
         if not _is_int(self.warmup, least=0):
             raise InvalidInput(
-                f"StopPolicy warmup must be a whole number of validated reports >= 0, "
-                f"got {self.warmup!r}"
+                f"StopPolicy warmup must be a whole number of validated reports from 0 to "
+                f"{_MOST}, got {self.warmup!r}"
             )
         if self.warmup and not self.median_of_runs:
             raise InvalidInput(
@@ -195,8 +195,12 @@ def _check_metric(metric: Any) -> None:
         )
 
 
+# The columns that store patience and warmup are 32-bit integers.
+_MOST = 2**31 - 1
+
+
 def _is_int(value: Any, *, least: int) -> bool:
-    return isinstance(value, numbers.Integral) and not _is_bool(value) and value >= least
+    return isinstance(value, numbers.Integral) and not _is_bool(value) and least <= value <= _MOST
 
 
 def _is_number(value: Any) -> bool:

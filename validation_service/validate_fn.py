@@ -15,8 +15,37 @@ from typing import Any
 
 import cloudpickle
 
-from validation_service.errors import InvalidInput, ModuleNotAllowed
-from validation_service.signing import VALIDATE_CONFIG, VALIDATE_FN, PayloadTrust
+from validation_service.errors import InvalidInput, ModuleNotAllowed, PayloadSignatureError
+from validation_service.signing import VALIDATE_CONFIG, VALIDATE_FN, PayloadTrust, form_binding
+
+
+def load_job_payloads(
+    ref: str | None,
+    pickled: bytes | None,
+    config: bytes | None,
+    *,
+    trust: PayloadTrust,
+    bound_to: bytes,
+    job_id: int | None = None,
+) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """A stored job's (validate_fn, validate_config), each verified for this job.
+
+    The validate_config is verified first: its signature covers the form of the
+    validate_fn (signing.form_binding: the whole reference, or that it is a pickle), so
+    a reference that was set or changed in the row without the key, or a missing
+    validate_config, raises PayloadSignatureError before any module is imported.
+    """
+    if config is None:
+        raise PayloadSignatureError(
+            job_id,
+            VALIDATE_CONFIG,
+            "it is missing: every job stores a signed validate_config, which binds the form "
+            "of its validate_fn; the row was changed, or stored by a ckval that did not bind it",
+        )
+    form = form_binding(bound_to, None if pickled is not None else ref)
+    loaded_config = load_validate_config(config, trust=trust, bound_to=form, job_id=job_id)
+    fn = load_validate_fn(ref, pickled, trust=trust, bound_to=bound_to, job_id=job_id)
+    return fn, loaded_config
 
 
 def load_validate_fn(
@@ -29,7 +58,8 @@ def load_validate_fn(
 ) -> Callable[..., Any]:
     """The job's validate_fn: its pickle once the signature verifies for this job
     (``bound_to``: signing.job_binding), or its reference once the module is allowed.
-    Raises before anything untrusted is unpickled or imported."""
+    Raises before anything untrusted is unpickled or imported. A reference's signature
+    is its validate_config's: call load_job_payloads, which verifies that first."""
     if pickled is not None:
         return cloudpickle.loads(
             trust.verify(VALIDATE_FN, pickled, bound_to=bound_to, job_id=job_id)

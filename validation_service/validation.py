@@ -23,7 +23,8 @@ MAX_ATTEMPTS = 1_000
 # best_checkpoints(k=...): what one query returns (the HTTP API's bound too).
 MAX_BEST_K = 10_000
 # Ids are stored in integer columns: anything outside is no id.
-MAX_ID = INT64_MAX
+# Ids are 32-bit columns (PostgreSQL's integer): a larger id names no row.
+MAX_ID = INT32_MAX
 
 RESOURCE_KEYS = frozenset({"num_cpus", "num_gpus", "memory", "resources", "accelerator_type"})
 _NUMERIC_RESOURCES = ("num_cpus", "num_gpus", "memory")

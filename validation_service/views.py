@@ -25,26 +25,34 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def tell_service(settings: Settings, what: str, *, connect: bool = False) -> None:
+def tell_service(settings: Settings, what: str, *, connect: bool = False) -> str | None:
     """Wakes the running scheduler: a requeued job starts now, a cancelled one stops now.
 
     ``what`` is "nudge" or "check_leases". Best effort: the scheduler also polls the queue
     and heartbeats its leases. Without Ray in this process nothing happens, unless
     ``connect`` and a cluster address is configured (CKVAL_RAY_ADDRESS): a command line
-    may connect, an HTTP request never starts Ray.
+    may connect (to a cluster that answers within seconds; it never starts one), an HTTP
+    request never starts Ray. Returns why the service could not be told, else None.
     """
     import ray
 
     if not ray.is_initialized() and not (connect and settings.ray_address):
-        return
+        return None
     from validation_service.service import ValidationService
 
     try:
+        if not ray.is_initialized():
+            from validation_service._ray_cluster import connect_existing_ray
+
+            connect_existing_ray(settings)  # RayClusterNotFound, at once, if none answers
         handle = ValidationService.get(settings)
-        if handle is not None:
-            getattr(handle, what)()
-    except Exception:  # noqa: BLE001 - the registry change is what counts
-        logger.warning("could not reach the ckval service (%s)", what, exc_info=True)
+        if handle is None:
+            return f"no service {settings.service_name!r} runs on the Ray cluster"
+        getattr(handle, what)()
+    except Exception as exc:  # noqa: BLE001 - the registry change is what counts
+        logger.info("could not reach the ckval service (%s)", what, exc_info=True)
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def iso(value: dt.datetime | None) -> str | None:

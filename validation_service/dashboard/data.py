@@ -27,6 +27,9 @@ from validation_service.views import (
 
 # More runs than this in one plot is unreadable; the page says so instead of drawing it.
 MAX_COMPARED_RUNS = 20
+# A run page plots this many metrics (in the order they first appear) and counts the
+# rest (metrics_total): the page's data, refetched every few seconds, stays small.
+MAX_PLOTTED_METRICS = 50
 _ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 
 
@@ -73,12 +76,14 @@ def run_json(registry: Registry, run: str, base: str) -> dict[str, Any]:
     record = registry.dashboard.run_record(run)
     checkpoints = registry.checkpoints(run)
     jobs = registry.dashboard.run_jobs(run)
+    names = metric_names(checkpoints)
     return {
         "run": run_record_json(record),
+        "metrics_total": len(names),
         "url": run_url(base, run),
         "active_jobs": sum(1 for job in jobs if job.status in _ACTIVE),
         "now": now_iso(),  # running jobs' bars end here on the timeline
-        "series": series_by_metric(checkpoints),
+        "series": series_by_metric(checkpoints, names),
         "checkpoints": [labelled_checkpoint_json(c) for c in checkpoints],
         "jobs": [job_json(job) for job in jobs],
         "stop_policy": stop_policy_json(registry.stop_policy(run)),
@@ -86,17 +91,29 @@ def run_json(registry: Registry, run: str, base: str) -> dict[str, Any]:
     }
 
 
-def series_by_metric(checkpoints: list[CheckpointRecord]) -> dict[str, dict[str, Any]]:
-    """Metric -> the reported and the validated values over report index, aligned on the
-    run's report indexes (None where a checkpoint has no finite value), and the best point
-    of the merged values."""
-    names: list[str] = []
+def metric_names(checkpoints: list[CheckpointRecord]) -> list[str]:
+    """The names of the metrics with a finite value in any checkpoint, in the order they
+    first appear (reported before validated); linear in the checkpoints' metrics."""
+    names: dict[str, None] = {}
     for c in checkpoints:
         for values in (c.reported_metrics, c.validated_metrics or {}):
-            names.extend(n for n, v in values.items() if _finite(v) is not None and n not in names)
+            for name, value in values.items():
+                if name not in names and _finite(value) is not None:
+                    names[name] = None
+    return list(names)
+
+
+def series_by_metric(
+    checkpoints: list[CheckpointRecord], names: list[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Metric -> the reported and the validated values over report index, aligned on the
+    run's report indexes (None where a checkpoint has no finite value), and the best point
+    of the merged values; for the first MAX_PLOTTED_METRICS of ``names`` (default: every
+    metric's, metric_names)."""
+    names = metric_names(checkpoints) if names is None else names
     x = [c.report_index for c in checkpoints]
     series = {}
-    for name in names:
+    for name in names[:MAX_PLOTTED_METRICS]:
         mode = default_mode(name)
         merged = [_finite(c.metrics.get(name)) for c in checkpoints]
         best = _best_index(merged, mode)

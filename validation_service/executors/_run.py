@@ -23,7 +23,7 @@ from validation_service.signing import PayloadTrust, job_binding
 from validation_service.storage import CheckpointStorage
 from validation_service.validate_fn import (
     call_validate_fn,
-    load_validate_config,
+    load_job_payloads,
     load_validate_fn,
 )
 
@@ -73,8 +73,8 @@ def run_attempt(
         return {
             "succeeded": False,
             "error_type": type(exc).__name__,
-            "error_message": str(exc) or repr(exc),
-            "error_traceback": traceback.format_exc(),
+            "error_message": storable_text(str(exc) or repr(exc)),
+            "error_traceback": storable_text(traceback.format_exc()),
             "retryable": not isinstance(exc, _PERMANENT),
             "started_at": started_at,
             "finished_at": dt.datetime.now(dt.timezone.utc),
@@ -124,19 +124,22 @@ def _validate(
 
 def _payloads(job: ClaimedJob, trust: PayloadTrust) -> tuple[Any, dict[str, Any]]:
     """The job's validate_fn and validate_config, each verified for this very job (a
-    payload copied from another job's row never verifies) before it is unpickled."""
-    bound_to = job_binding(job.namespace, job.run, job.report_index, job.uri)
-    validate_fn = load_validate_fn(
+    payload copied from another job's row never verifies, nor a reference the reporter
+    did not sign) before anything is unpickled or imported."""
+    return load_job_payloads(
         job.validate_fn_ref,
         job.validate_fn_pickle,
+        job.validate_config,
         trust=trust,
-        bound_to=bound_to,
+        bound_to=job_binding(job.namespace, job.run, job.report_index, job.uri),
         job_id=job.job_id,
     )
-    config = load_validate_config(
-        job.validate_config, trust=trust, bound_to=bound_to, job_id=job.job_id
-    )
-    return validate_fn, config
+
+
+def storable_text(text: str) -> str:
+    """``text`` as every registry stores it: lone surrogates and NUL characters (which
+    neither SQLite's UTF-8 nor PostgreSQL's text takes) shown as escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
 
 def _where() -> dict[str, Any]:

@@ -19,6 +19,7 @@ from sqlalchemy.exc import (
     DBAPIError,
     IntegrityError,
     NoSuchModuleError,
+    StatementError,
 )
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -147,8 +148,17 @@ class Database:
         """
         try:
             yield
-        except DBAPIError as exc:
-            if isinstance(exc, (RegistryUnavailable, IntegrityError)):
+        except (UnicodeEncodeError, StatementError) as exc:
+            text = _unstorable_text(exc)
+            if text is not None:
+                raise InvalidInput(
+                    f"The text {text!r} holds a character no registry can store (a lone "
+                    "surrogate, which is what bytes that are not UTF-8 decode to): pass "
+                    "names and values as UTF-8 text. Nothing was stored."
+                ) from None
+            if not isinstance(exc, DBAPIError) or isinstance(
+                exc, (RegistryUnavailable, IntegrityError)
+            ):
                 raise
             if retry.is_transient_database_error(exc):
                 error = RegistryUnavailable(self.display_url, exc, source=self.source)
@@ -189,6 +199,15 @@ class Database:
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+def _unstorable_text(exc: BaseException) -> str | None:
+    """The text a driver could not encode (a str with a lone surrogate), or None when
+    ``exc`` is another error."""
+    cause = getattr(exc, "orig", exc)
+    if isinstance(cause, UnicodeEncodeError) and isinstance(cause.object, str):
+        return cause.object
+    return None
 
 
 def retry_on_disconnect(method: _F) -> _F:

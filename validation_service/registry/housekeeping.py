@@ -55,6 +55,33 @@ class Housekeeping:
         return pointed
 
     @retry_on_disconnect
+    def plan_retention(
+        self,
+        catalog: Catalog,
+        rule: retention.RetentionRule,
+        *,
+        strict: bool,
+        exclude_runs: Sequence[str] = (),
+    ) -> tuple[list[retention.Candidate], list[retention.Candidate]]:
+        """(deletable, kept outside the configured storage): the checkpoints of
+        ``catalog``'s namespace that no part of ``rule`` keeps (see
+        Registry.apply_retention); ``strict``: an unknown metric raises UnknownMetric,
+        else nothing goes."""
+        with self.db.read() as session:
+            run_id = None if rule.run is None else catalog.require_run_id(session, rule.run)
+            found = retention.candidates(session, catalog.namespace, rule.run, exclude_runs)
+            found = retention.with_values(session, found, rule.metric)
+            if not any(c.value is not None for c in found):
+                known = catalog.known_metrics(session, run_id)
+                if rule.metric not in known:
+                    if not strict:
+                        return [], []
+                    raise UnknownMetric(rule.metric, rule.run, sorted(known))
+            aliased = retention.aliased_ids(session, [c.record.id for c in found])
+        going = retention.to_delete(found, rule, aliased)
+        roots = self.settings.deletion_roots()
+        return retention.split_by_storage(going, roots, self.settings.storage_options)
+
     def apply_retention(
         self,
         catalog: Catalog,
@@ -64,21 +91,9 @@ class Housekeeping:
         strict: bool,
         exclude_runs: Sequence[str] = (),
     ) -> list[CheckpointRecord]:
-        """Deletes the checkpoints of ``catalog``'s namespace that no part of ``rule``
-        keeps (see Registry.apply_retention); ``strict``: an unknown metric raises
-        UnknownMetric, else nothing is deleted."""
-        with self.db.read() as session:
-            run_id = None if rule.run is None else catalog.require_run_id(session, rule.run)
-            found = retention.candidates(session, catalog.namespace, rule.run, exclude_runs)
-            found = retention.with_values(session, found, rule.metric)
-            if not any(c.value is not None for c in found):
-                known = catalog.known_metrics(session, run_id)
-                if rule.metric not in known:
-                    if not strict:
-                        return []
-                    raise UnknownMetric(rule.metric, rule.run, sorted(known))
-            aliased = retention.aliased_ids(session, [c.record.id for c in found])
-        going = retention.to_delete(found, rule, aliased)
+        """Deletes what plan_retention finds deletable (rows marked deleted, then files
+        removed); returns those checkpoints, or with ``dry_run`` those that would go."""
+        going, _kept = self.plan_retention(catalog, rule, strict=strict, exclude_runs=exclude_runs)
         if dry_run or not going:
             return [c.record for c in going]
         now = utcnow()

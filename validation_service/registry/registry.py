@@ -337,6 +337,7 @@ class Registry:
         validation is QUEUED or RUNNING, one with an alias and the one latest_checkpoint()
         returns. Deleted checkpoints lose their files; their rows stay, marked deleted,
         with their metrics. An unknown metric raises UnknownMetric, deleting nothing.
+        Checkpoints outside CKVAL_STORAGE and CKVAL_DELETABLE_ROOTS are kept whole.
         """
         rule = retention.RetentionRule(
             metric, mode, keep_best, keep_best_per_run, keep_latest, run=run
@@ -355,6 +356,24 @@ class Registry:
         still being stored, or INCOMPLETE (a rank died before its part was stored).
         None of them is listed, ranked or validated; retention removes their files."""
         return self.assemblies.not_complete([r.id for r in self.run_attempts(run)])
+
+    def retention_plan(
+        self,
+        run: str | None = None,
+        *,
+        metric: str,
+        mode: Mode = "max",
+        keep_best: int = 0,
+        keep_best_per_run: int = 1,
+        keep_latest: int = 1,
+    ) -> retention.RetentionPlan:
+        """What apply_retention would do now, deleting nothing: what it deletes, and what
+        it keeps as outside the storage roots of this registry's settings."""
+        rule = retention.RetentionRule(
+            metric, mode, keep_best, keep_best_per_run, keep_latest, run=run
+        )
+        going, kept = self.housekeeping.plan_retention(self.catalog, rule, strict=True)
+        return retention.RetentionPlan([c.record for c in going], [c.record for c in kept])
 
     @retry_on_disconnect
     def set_retention(self, run: str | None = None, **rule: Any) -> retention.RetentionRule:

@@ -3,8 +3,9 @@ save_trial_latest): which checkpoints go, marking them deleted, and stored polic
 
 Each attempt of a run counts as one run (Determined's trial) for the per-run rules. Never
 deleted: a checkpoint whose validation is QUEUED or RUNNING, one with an alias, and the
-one ``latest_checkpoint(run)`` returns. Files are removed only inside the checkpoint's own
-run folder, and never from a folder that another checkpoint record still uses. Reads
+one ``latest_checkpoint(run)`` returns. Files are removed only under the storage roots the
+settings name, inside the checkpoint's own run folder, and never from a folder that
+another checkpoint record still uses. Reads
 checkpoints and metric values, writes checkpoints' ``deleted_at`` and retention_policies.
 """
 
@@ -34,6 +35,8 @@ from validation_service.registry.models import (
     utcnow,
 )
 from validation_service.registry.records import CheckpointRecord
+from validation_service.secrets import mask_url
+from validation_service.validation import INT32_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,11 @@ class RetentionRule:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidInput(f"{name} must be an int >= 0, got {value!r}")
+            if value > INT32_MAX:  # a policy's columns are 32-bit; more keeps everything
+                raise InvalidInput(
+                    f"{name} must be at most {INT32_MAX} (a larger number keeps every "
+                    f"checkpoint as that does), got {value!r}"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +219,53 @@ def shared_folders(session: Session, deleted: list[Candidate]) -> set[int]:
             if uri in used or used & set(_ancestors(uri)) or any(_under(u, uri) for u in used):
                 shared.add(checkpoint_id)
     return shared
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionPlan:
+    """What a retention rule does now: the checkpoints it deletes, and those it would
+    delete but keeps because their files lie outside the storage roots the settings name
+    (Settings.deletion_roots): their rows and files stay as they are."""
+
+    deleting: list[CheckpointRecord]
+    kept_outside: list[CheckpointRecord]
+
+
+KEPT_OUTSIDE = "outside the configured storage: kept"
+
+
+def split_by_storage(
+    going: list[Candidate], roots: list[str], storage_options: dict
+) -> tuple[list[Candidate], list[Candidate]]:
+    """(deletable, kept): a candidate is deletable only when its run's storage root and
+    its own folder (local: after resolving symlinks) lie under one of ``roots``, the
+    storage roots of the deleting process's own settings, never a root a reporter chose."""
+    from validation_service.storage import CheckpointStorage
+
+    storages = [CheckpointStorage(root, storage_options) for root in roots]
+    deletable, kept = [], []
+    for candidate in going:
+        inside = any(_holds(storage, candidate) for storage in storages)
+        (deletable if inside else kept).append(candidate)
+    for candidate in kept:
+        record = candidate.record
+        logger.warning(
+            "checkpoint %d of run %r at %s: %s (its storage root %s is not CKVAL_STORAGE "
+            "nor in CKVAL_DELETABLE_ROOTS)",
+            *(record.report_index, record.run, mask_url(record.uri), KEPT_OUTSIDE),
+            mask_url(candidate.storage_root),
+        )
+    return deletable, kept
+
+
+def _holds(storage, candidate: Candidate) -> bool:
+    try:
+        storage.path_of(candidate.record.uri)  # strictly inside, symlinks resolved
+    except InvalidInput:
+        return False
+    except Exception:  # noqa: BLE001 - a URI no filesystem reads is not under the root
+        return False
+    return storage.in_root(candidate.storage_root)
 
 
 def delete_files(

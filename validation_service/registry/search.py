@@ -51,6 +51,11 @@ _ATTRIBUTES = {
     "report_index": (Checkpoint.report_index, True),
 }
 MAX_K = 10_000
+# What one search may ask of the database (each term is a join or a subquery): more is a
+# 422 naming the cap (README, "Search"), not a query of seconds.
+MAX_TERMS = 20
+MAX_ORDER_KEYS = 10
+MAX_IN_VALUES = 100
 
 _TOKEN = re.compile(
     r"""
@@ -159,6 +164,11 @@ class _Parser:
             return []
         clauses = [self.parse_clause()]
         while self.is_word("and"):
+            if len(clauses) == MAX_TERMS:
+                raise InvalidInput(
+                    f"A search filter may have at most {MAX_TERMS} terms joined by 'and'; "
+                    "narrow it to fewer terms, or run several searches."
+                )
             self.advance()
             clauses.append(self.parse_clause())
         if self.is_word("or"):
@@ -204,6 +214,11 @@ class _Parser:
             if token.kind != "string":
                 raise self.fail("a quoted string in the list of IN", token)
             values.append(token.value)
+            if len(values) > MAX_IN_VALUES:
+                raise InvalidInput(
+                    f"An IN list may hold at most {MAX_IN_VALUES} strings; use LIKE with a "
+                    "pattern, or run several searches."
+                )
             separator = self.advance()
             if separator.kind == "punct" and separator.text == ")":
                 return tuple(values)
@@ -276,6 +291,11 @@ def parse_order_by(items: Sequence[str] | None) -> list[OrderKey]:
     if isinstance(items, str) or not all(isinstance(item, str) for item in items):
         raise InvalidInput(
             f"order_by must be a list of str such as ['metrics.accuracy DESC'], got {items!r}"
+        )
+    if len(items) > MAX_ORDER_KEYS:
+        raise InvalidInput(
+            f"order_by may have at most {MAX_ORDER_KEYS} keys, got {len(items)}; the first "
+            "few decide the order in practice."
         )
     return [_Parser(item).parse_order_key() for item in items]
 

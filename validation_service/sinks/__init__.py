@@ -68,11 +68,13 @@ class Sink(Protocol):
 SINK_KINDS: dict[str, tuple[str, frozenset[str]]] = {
     "mlflow": (
         "validation_service.sinks.mlflow:MlflowSink",
-        frozenset({"tracking_uri", "experiment", "prefix", "allowed_tracking_uris"}),
+        frozenset(
+            {"tracking_uri", "experiment", "prefix", "allowed_tracking_uris", "allowed_experiments"}
+        ),
     ),
     "wandb": (
         "validation_service.sinks.wandb:WandbSink",
-        frozenset({"project", "entity", "prefix", "mode", "dir"}),
+        frozenset({"project", "entity", "prefix", "mode", "dir", "allowed_entities"}),
     ),
 }
 
@@ -221,11 +223,19 @@ class SinkDispatcher:
 
     @classmethod
     def from_settings(cls, settings, registry, stats: dict[str, int]) -> SinkDispatcher:
-        # The MLflow sink logs only to the tracking servers the service's settings allow.
-        allowed = list(settings.mlflow_allowed_uris)
+        # The MLflow sink logs only to the tracking servers, and into recorded runs of the
+        # experiments, that the service's settings allow.
+        allowed = {
+            "allowed_tracking_uris": list(settings.mlflow_allowed_uris),
+            "allowed_experiments": list(settings.mlflow_allowed_experiments),
+        }
         return cls(
             [
-                {"allowed_tracking_uris": allowed, **c} if c.get("kind") == "mlflow" else c
+                {**allowed, **c}
+                if c.get("kind") == "mlflow"
+                else {"allowed_entities": list(settings.wandb_allowed_entities), **c}
+                if c.get("kind") == "wandb"
+                else c
                 for c in settings.sinks
             ],
             registry,

@@ -1,9 +1,11 @@
 """MLflow sink: validated metrics at the checkpoint's step, in the training's MLflow run.
 
 When report() ran inside an active MLflow run (``mlflow.start_run()``, Ray's
-``setup_mlflow``), the metrics go into that run, on its tracking server, if that server is
-one the service allows: the sink's ``tracking_uri``, else the service's own tracking URI
-(MLFLOW_TRACKING_URI), or one of ``allowed_tracking_uris`` (CKVAL_MLFLOW_ALLOWED_URIS).
+``setup_mlflow``), the metrics go into that run if its experiment is one the service
+allows (``allowed_experiments``: CKVAL_MLFLOW_ALLOWED_EXPERIMENTS) or the sink made it
+for this ckval run, on its tracking server, if that server is one the service allows:
+the sink's ``tracking_uri``, else the service's own tracking URI (MLFLOW_TRACKING_URI),
+or one of ``allowed_tracking_uris`` (CKVAL_MLFLOW_ALLOWED_URIS).
 A run's recorded server is never trusted by itself: the service's MLflow credentials go
 only to servers its own settings name, and a validation whose run names another is
 logged, with a warning naming the job, to the service's own server instead. Otherwise,
@@ -34,6 +36,7 @@ class MlflowSink:
         experiment: str = "ckval",
         prefix: str = "",
         allowed_tracking_uris: Sequence[str] = (),
+        allowed_experiments: Sequence[str] = (),
     ):
         import mlflow  # noqa: F401 - fails here, at build time, when the extra is missing
 
@@ -41,6 +44,9 @@ class MlflowSink:
         self.experiment = experiment
         self.prefix = prefix
         self.allowed_tracking_uris = tuple(allowed_tracking_uris)
+        self.allowed_experiments = frozenset(allowed_experiments)
+        # (tracking URI, recorded run id, namespace, ckval run) -> whether it may be used
+        self._run_allowed: dict[tuple[str, str, str, str], bool] = {}
         # (tracking URI, namespace, ckval run) -> the MLflow run named after it
         self._named_runs: dict[tuple[str, str, str], str] = {}
 
@@ -73,8 +79,16 @@ class MlflowSink:
             recorded = training.get("tracking_uri")
             server = uri if recorded is None else self._allowed(recorded)
             if server is not None and (server == uri or not self.tracking_uri):
-                return server, training["run_id"]
-            if server is None and not self.tracking_uri:
+                if self._may_log_into(server, training["run_id"], item):
+                    return server, training["run_id"]
+                logger.warning(
+                    "validation job %s (run %r): not logged to the MLflow run %s that the run "
+                    "recorded: ckval did not create it for this run, and its experiment is "
+                    "not in CKVAL_MLFLOW_ALLOWED_EXPERIMENTS; logged to the sink's own run "
+                    "instead",
+                    *(item.job_id, item.run, training["run_id"]),
+                )
+            elif server is None and not self.tracking_uri:
                 logger.warning(
                     "validation job %s (run %r): not logged to the MLflow tracking server %s "
                     "that the run recorded, as this service's settings do not allow it (the "
@@ -98,6 +112,30 @@ class MlflowSink:
                 return uri
         return None
 
+    def _may_log_into(self, uri: str, run_id: str, item: ValidatedMetrics) -> bool:
+        """Whether a recorded MLflow run may get this validation's metrics: one this sink
+        made for the same ckval run (its ckval.run_key tag), or one in an experiment the
+        settings allow. A reporter's word alone never reaches another team's run."""
+        key = (uri, run_id, item.namespace, item.run)
+        if key not in self._run_allowed:
+            self._run_allowed[key] = self._check_run(uri, run_id, item)
+        return self._run_allowed[key]
+
+    def _check_run(self, uri: str, run_id: str, item: ValidatedMetrics) -> bool:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(uri)
+        try:
+            found = client.get_run(run_id)
+        except Exception:  # noqa: BLE001 - no such run (or no access): not allowed
+            return False
+        if found.data.tags.get("ckval.run_key") == _run_key(item.namespace, item.run):
+            return True
+        experiment_id = found.info.experiment_id
+        if self.allowed_experiments & {"*", experiment_id}:
+            return True
+        return client.get_experiment(experiment_id).name in self.allowed_experiments
+
     def _named_run(self, uri: str, namespace: str, run: str) -> str:
         from mlflow import MlflowClient
 
@@ -109,7 +147,7 @@ class MlflowSink:
             else client.create_experiment(self.experiment)
         )
         # A hash in the filter: run names may hold quotes that the filter syntax would not.
-        run_key = hashlib.sha256(f"{namespace}/{run}".encode()).hexdigest()[:32]
+        run_key = _run_key(namespace, run)
         found = client.search_runs(
             [experiment_id], filter_string=f"tags.`ckval.run_key` = '{run_key}'", max_results=1
         )
@@ -123,3 +161,8 @@ class MlflowSink:
         # Finished at once: validations keep adding metrics to it as they succeed.
         client.set_terminated(created.info.run_id)
         return created.info.run_id
+
+
+def _run_key(namespace: str, run: str) -> str:
+    """The tag value that marks the MLflow run this sink made for a ckval run."""
+    return hashlib.sha256(f"{namespace}/{run}".encode()).hexdigest()[:32]

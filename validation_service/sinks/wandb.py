@@ -1,8 +1,10 @@
 """Weights & Biases sink: validated metrics against the checkpoint's step, in the training's run.
 
 When report() ran while a W&B run was active (``wandb.init()`` in the training process),
-that run is resumed (same id, project and entity); otherwise a run named after ckval's
-run, with an id derived from it, in ``project`` (default "ckval"). Validations finish out
+that run is resumed (same id, project and entity) if its entity is one the service allows
+(``allowed_entities``: CKVAL_WANDB_ALLOWED_ENTITIES); otherwise, with a warning naming
+the job, a run named after ckval's run, with an id derived from it, in ``project``
+(default "ckval"). Validations finish out
 of order, and a run's own step only grows, so the metrics are plotted against their own
 x-axis ``ckval/step`` (``define_metric``). ``mode="offline"`` (or ``WANDB_MODE``) writes
 the run under ``dir`` (or ``WANDB_DIR``) for ``wandb sync``. Needs ``pip install
@@ -12,10 +14,13 @@ the run under ``dir`` (or ``WANDB_DIR``) for ``wandb sync``. Needs ``pip install
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from validation_service.sinks import STEP_KEY, ValidatedMetrics
+
+logger = logging.getLogger(__name__)
 
 
 class WandbSink:
@@ -28,6 +33,7 @@ class WandbSink:
         prefix: str = "",
         mode: str | None = None,
         dir: str | None = None,  # noqa: A002 - wandb.init's own name for it
+        allowed_entities: Sequence[str] = (),
     ):
         import wandb  # noqa: F401 - fails here, at build time, when the extra is missing
 
@@ -36,6 +42,7 @@ class WandbSink:
         self.prefix = prefix
         self.mode = mode
         self.dir = dir
+        self.allowed_entities = frozenset(allowed_entities)
         # Runs stay open between batches (the dispatcher closes them once idle): each
         # resume of a run is a new session, and offline sessions of one run started in
         # the same second would share, and overwrite, one folder.
@@ -68,20 +75,36 @@ class WandbSink:
     def _target(self, item: ValidatedMetrics) -> dict[str, Any]:
         """wandb.init's arguments for the run that this validation's metrics go to."""
         training = item.trackers.get("wandb") or {}
-        if training.get("id"):
-            return {
-                "id": training["id"],
-                "project": training.get("project") or self.project,
-                "entity": training.get("entity") or self.entity,
-            }
         digest = hashlib.sha256(f"{item.namespace}/{item.run}".encode()).hexdigest()
+        own_id = f"ckval-{digest[:16]}"
+        if training.get("id"):
+            entity = training.get("entity") or self.entity
+            if self._may_resume(str(training["id"]), entity, own_id):
+                return {
+                    "id": training["id"],
+                    "project": training.get("project") or self.project,
+                    "entity": entity,
+                }
+            logger.warning(
+                "validation job %s (run %r): not logged to the W&B run %r of entity %r that "
+                "the run recorded: the entity is not in CKVAL_WANDB_ALLOWED_ENTITIES (or the "
+                "id is another ckval run's); logged to the sink's own run instead",
+                *(item.job_id, item.run, training["id"], entity),
+            )
         return {
-            "id": f"ckval-{digest[:16]}",
+            "id": own_id,
             "name": item.run,
             "project": self.project or "ckval",
             "entity": self.entity,
             "tags": ["ckval"],
         }
+
+    def _may_resume(self, run_id: str, entity: str | None, own_id: str) -> bool:
+        """A recorded run is resumed only in an entity the settings allow ("*": any, ""
+        for W&B's default entity), and never another ckval run's own run."""
+        if run_id.startswith("ckval-") and run_id != own_id:
+            return False
+        return bool(self.allowed_entities & {"*", entity or ""})
 
     def _start(self, target: dict[str, Any]):
         import wandb
