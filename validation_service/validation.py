@@ -8,9 +8,11 @@ limits mirror the columns in registry/models.py (tests/test_bad_input.py compare
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from validation_service.errors import InvalidInput, JobNotFound
+from validation_service.jobs import JobStatus
 
 # Column sizes: Integer is 32 bits on PostgreSQL, BigInteger 64 bits (SQLite stores both
 # in 64 bits).
@@ -233,3 +235,24 @@ def _preview(value: Any) -> str:
         return f"{'-' if value < 0 else ''}2**{bits - 1} or more (an int of {bits} bits)"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def existing_job_ids(job_ids: Sequence[int] | None) -> list[int] | None:
+    """Job ids that can exist: ids out of the column's range name no job, as unknown ids."""
+    if job_ids is None:
+        return None
+    existing = []
+    for job_id in job_ids:
+        try:
+            existing.append(check_job_id(job_id))
+        except JobNotFound:
+            continue
+    return existing
+
+
+def job_status(status: JobStatus | str) -> JobStatus:
+    try:
+        return JobStatus(str(getattr(status, "value", status)).upper())
+    except ValueError:
+        names = ", ".join(s.value for s in JobStatus)
+        raise InvalidInput(f"unknown job status {status!r}: use one of {names}") from None

@@ -28,6 +28,7 @@ from validation_service.registry.models import (
 )
 from validation_service.registry.records import CheckpointRecord
 from validation_service.registry.stopping import StopRules
+from validation_service.secrets import mask_url
 
 logger = logging.getLogger(__name__)
 
@@ -107,23 +108,31 @@ class Housekeeping:
 
     def remove_incomplete(self, assemblies, run_ids: list[int] | None) -> int:
         """Ends the assemblies of ended runs whose parts never all came, and removes the
-        files of every INCOMPLETE assembly (inside its own run's folder only); returns
-        how many folders went."""
+        files of every INCOMPLETE assembly: inside its own run's folder, and only under
+        the storage roots of these settings (CKVAL_STORAGE, CKVAL_DELETABLE_ROOTS), as
+        retention does. Returns how many folders went."""
         from validation_service.storage import CheckpointStorage
 
         assemblies.give_up_ended_runs(run_ids)
+        options = self.settings.storage_options
+        roots = [CheckpointStorage(root, options) for root in self.settings.deletion_roots()]
         removed = 0
         for assembly_id, uri, run, namespace, root in assemblies.incomplete_to_delete(run_ids):
             try:
-                storage = CheckpointStorage(root, self.settings.storage_options)
-                if storage.in_root(uri):
-                    storage.delete(uri, namespace=namespace, run=run)
-                    removed += 1
+                storage = CheckpointStorage(root, options)
+                if not any(r.in_root(root) and r.in_root(uri) for r in roots):
+                    logger.warning(
+                        "the parts of an incomplete checkpoint of run %r at %s: %s",
+                        *(run, mask_url(uri), retention.KEPT_OUTSIDE),
+                    )
+                    continue
+                storage.delete(uri, namespace=namespace, run=run)
+                removed += 1
             except Exception as exc:  # noqa: BLE001 - say what is left, go on with the rest
                 logger.warning(
                     "the parts of an incomplete checkpoint of run %r at %s could not be "
                     "removed (%s: %s); remove them by hand",
-                    *(run, uri, type(exc).__name__, exc),
+                    *(run, mask_url(uri), type(exc).__name__, exc),
                 )
                 continue
             assemblies.mark_deleted(assembly_id)

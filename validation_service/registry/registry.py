@@ -20,7 +20,6 @@ from validation_service import validation
 from validation_service.config import Settings, get_settings
 from validation_service.errors import (
     InvalidInput,
-    JobNotFound,
     UnknownMetric,
     ValidationsFailed,
     ValidationsFailedWarning,
@@ -451,7 +450,7 @@ class Registry:
 
         ``statuses`` and ``pool`` filter; ``limit`` keeps the newest jobs. In id order.
         """
-        wanted = None if statuses is None else [_job_status(s).value for s in statuses]
+        wanted = None if statuses is None else [validation.job_status(s).value for s in statuses]
         if limit is not None and limit < 1:
             raise InvalidInput(f"limit must be at least 1, got {limit}")
         with self.db.read() as session:
@@ -527,7 +526,7 @@ class Registry:
         if job_ids is None and run is None:
             raise InvalidInput("cancel needs job ids or a run name")
         run_id = self._run_id_or_none(run)
-        return self.job_queue.cancel(_existing_ids(job_ids), run_id, reason)
+        return self.job_queue.cancel(validation.existing_job_ids(job_ids), run_id, reason)
 
     def retry_jobs(
         self,
@@ -552,7 +551,9 @@ class Registry:
         if not set(statuses) <= transitions.FROM_STATES["retry"]:
             raise InvalidInput(f"only {[s.value for s in RETRYABLE_STATUSES]} jobs are retried")
         run_id = self._run_id_or_none(run)
-        return self.job_queue.retry(_existing_ids(job_ids), run_id, statuses, max_retries)
+        return self.job_queue.retry(
+            validation.existing_job_ids(job_ids), run_id, statuses, max_retries
+        )
 
     def _run_id_or_none(self, run: str | None) -> int | None:
         if run is None:
@@ -566,27 +567,6 @@ def _url_source(database_url: str | None, settings: Settings) -> str:
     if database_url:
         return "the database_url argument"
     return "CKVAL_DATABASE_URL" if settings.database_url else "CKVAL_HOME"
-
-
-def _existing_ids(job_ids: Sequence[int] | None) -> list[int] | None:
-    """Job ids that can exist: ids out of the column's range name no job, as unknown ids."""
-    if job_ids is None:
-        return None
-    existing = []
-    for job_id in job_ids:
-        try:
-            existing.append(validation.check_job_id(job_id))
-        except JobNotFound:
-            continue
-    return existing
-
-
-def _job_status(status: JobStatus | str) -> JobStatus:
-    try:
-        return JobStatus(str(getattr(status, "value", status)).upper())
-    except ValueError:
-        names = ", ".join(s.value for s in JobStatus)
-        raise InvalidInput(f"unknown job status {status!r}: use one of {names}") from None
 
 
 def _with_status(runs: list[RunRecord], status: RunStatus | str | None) -> list[RunRecord]:
