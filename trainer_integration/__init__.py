@@ -33,6 +33,8 @@ __all__ = [
     "Client",
     "ReportNotDelivered",
     "RunStatusCallback",
+    "TensorflowTrainer",
+    "TorchTrainer",
     "ray_results_path",
     "report",
     "resolve_checkpoint",
@@ -50,6 +52,10 @@ def __getattr__(name: str):
         from trainer_integration.run_status import RunStatusCallback
 
         return RunStatusCallback
+    if name in ("TorchTrainer", "TensorflowTrainer"):  # Ray's trainers, the drop-in form
+        from trainer_integration import trainers
+
+        return getattr(trainers, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -72,6 +78,7 @@ def report(
     retry_on_timeout: bool = False,
     coalesce: str | None = None,
     delete_local_checkpoint_after_upload: bool | None = None,
+    validation: bool | Any = False,
 ) -> None:
     """Reports metrics and a checkpoint; its validation runs later, elsewhere.
 
@@ -94,6 +101,12 @@ def report(
     ``timeout_s`` bounds one validation attempt (its Ray task is cancelled, the job
     TIMED_OUT, or retried when ``retry_on_timeout``). ``coalesce="latest"`` skips the
     run's queued validations that this report supersedes (recorded as CANCELLED).
+
+    Ray Train's form works too, under this package's ``TorchTrainer`` or
+    ``TensorflowTrainer`` built with ``validation_config=ray.train.ValidationConfig(fn)``:
+    ``validation=True`` or ``ray.train.ValidationTaskConfig(fn_kwargs=..., timeout_s=...)``
+    validates with ``fn(checkpoint, **fn_kwargs)``. A report without a checkpoint ignores
+    the validation arguments of either form, as Ray Train does.
     """
     prepared = prepare_report(metrics, checkpoint, ReportOptions.of(locals()))
     train_context = _ray_train_context()

@@ -17,6 +17,7 @@ from typing import Any
 
 import cloudpickle
 
+from trainer_integration._ray_validation import resolve_validation
 from validation_service.config import get_settings
 from validation_service.errors import InvalidInput
 from validation_service.jobs import ExecutorKind
@@ -58,6 +59,7 @@ class ReportOptions:
     retry_on_timeout: bool = False
     coalesce: str | None = None
     delete_local_checkpoint_after_upload: bool | None = None
+    validation: Any = False  # Ray's form: True or a ray.train.ValidationTaskConfig
 
     @classmethod
     def of(cls, arguments: dict[str, Any]) -> ReportOptions:
@@ -86,8 +88,14 @@ def prepare_report(metrics, checkpoint, options: ReportOptions) -> PreparedRepor
         raise InvalidInput(f"metrics must be a dict, got {type(metrics).__name__}")
     check_checkpoint(checkpoint)
     mode = upload_mode(options.checkpoint_upload_mode)
+    # Ray's validation= becomes the validate_fn form; without a checkpoint either form is
+    # refused, as ray.train.report refuses validation= ("Validation requires a checkpoint").
+    options = resolve_validation(options, checkpoint is not None)
     if options.validate_fn is not None and checkpoint is None:
-        raise InvalidInput("validate_fn was given without a checkpoint to validate.")
+        raise InvalidInput(
+            "validate_fn was given without a checkpoint to validate: pass it only with a "
+            "checkpoint (on the rank that reports one), as ray.train.report(validation=...)."
+        )
     job = None
     if options.validate_fn is not None:
         job = validation_request(

@@ -1,0 +1,146 @@
+"""Ray Train's validation API on ckval's trainers and report(): how a ValidationConfig and
+report(validation=...) become one ckval validation, and what is refused, with what words.
+
+The full program on Ray and on ckval side by side is tests/test_ray_dropin_parity.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import cloudpickle
+import pytest
+import ray.cloudpickle
+import ray.train
+
+import trainer_integration
+from trainer_integration import Client, report
+from validation_service import _ray_compat
+from validation_service.errors import InvalidInput
+from validation_service.registry.registry import Registry
+
+if not _ray_compat.report_takes_validation():
+    pytest.skip("this Ray has no ray.train.ValidationConfig", allow_module_level=True)
+
+from ray.train import RunConfig, ScalingConfig, ValidationConfig, ValidationTaskConfig  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def kwargs_seen(checkpoint, a, b, c=None) -> dict:
+    """A Ray-style validation function: returns the fn_kwargs it was called with."""
+    with checkpoint.as_directory() as directory:
+        step = json.load(open(os.path.join(directory, "state.json")))["step"]
+    return {"a": a, "b": b, "c": -1 if c is None else c, "validated_step": step}
+
+
+def checkpoint_of(directory, step: int) -> ray.train.Checkpoint:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "state.json"), "w") as f:
+        json.dump({"step": step}, f)
+    return ray.train.Checkpoint.from_directory(str(directory))
+
+
+def report_twice(config) -> None:
+    """validation=True, then a ValidationTaskConfig overriding one of the trainer's kwargs."""
+    report({"step": 0}, checkpoint_of(f"{config['scratch']}/0", 0), validation=True)
+    report(
+        {"step": 1},
+        checkpoint_of(f"{config['scratch']}/1", 1),
+        validation=ValidationTaskConfig(fn_kwargs={"b": 20, "c": 30}),
+    )
+
+
+@pytest.mark.ray
+def test_validation_config_and_task_config_become_one_ckval_job_each(service, tmp_path, unique_run):
+    trainer = trainer_integration.TorchTrainer(
+        report_twice,
+        train_loop_config={"scratch": str(tmp_path)},
+        # Local mode runs the train function here, quickly; Ray itself runs no
+        # validation there, ckval does.
+        scaling_config=ScalingConfig(num_workers=0),
+        run_config=RunConfig(name=unique_run, storage_path=str(tmp_path / "ray_results")),
+        validation_config=ValidationConfig(
+            kwargs_seen,
+            task_config=ValidationTaskConfig(fn_kwargs={"a": 1, "b": 2}, timeout_s=90),
+            ray_remote_kwargs={
+                "num_cpus": 0.5,
+                "memory": 10**8,
+                "max_retries": 2,
+                "retry_exceptions": True,
+            },
+        ),
+    )
+    assert isinstance(trainer, ray.train.torch.TorchTrainer)
+    result = trainer.fit()
+    assert result.error is None
+    registry = Registry()
+    registry.wait(unique_run, timeout_s=60)
+
+    first, second = registry.checkpoints(unique_run)
+    # The trainer's fn_kwargs, then the report's over them (Ray's merge).
+    assert first.metrics == {"step": 0, "a": 1, "b": 2, "c": -1, "validated_step": 0}
+    assert second.metrics == {"step": 1, "a": 1, "b": 20, "c": 30, "validated_step": 1}
+    jobs = sorted(registry.validations(unique_run), key=lambda job: job.report_index)
+    # validation=True takes the trainer's timeout_s; a ValidationTaskConfig its own (None).
+    assert [job.timeout_s for job in jobs] == [90, None]
+    for job in jobs:
+        assert job.status == "SUCCEEDED"
+        assert job.resources == {"num_cpus": 0.5, "memory": 10**8}
+        assert job.max_attempts == 3  # max_retries=2 with retry_exceptions: 3 runs at most
+        assert job.validate_fn_name == "kwargs_seen"
+
+
+def test_a_ray_remote_kwarg_ckval_cannot_apply_is_refused_when_the_trainer_is_built():
+    with pytest.raises(InvalidInput, match=r"\['runtime_env'\].*use \["):
+        trainer_integration.TorchTrainer(
+            report_twice,
+            scaling_config=ScalingConfig(num_workers=0),
+            validation_config=ValidationConfig(
+                kwargs_seen, ray_remote_kwargs={"runtime_env": {"pip": ["x"]}}
+            ),
+        )
+    with pytest.raises(InvalidInput, match="no endless retries"):
+        trainer_integration.TorchTrainer(
+            report_twice,
+            scaling_config=ScalingConfig(num_workers=0),
+            validation_config=ValidationConfig(
+                kwargs_seen, ray_remote_kwargs={"max_retries": -1, "retry_exceptions": True}
+            ),
+        )
+
+
+@pytest.mark.parametrize(
+    ("with_checkpoint", "kwargs", "message"),
+    [
+        (True, {"validation": True, "validate_fn": kwargs_seen}, "together with validate_fn="),
+        (True, {"validation": True, "timeout_s": 5}, "together with timeout_s="),
+        (True, {"validation": True}, "needs the trainer's validation function"),
+        (True, {"validation": "yes"}, "validation must be True, False or"),
+        # As ray.train.report: no validation without a checkpoint, in either form.
+        (False, {"validation": ValidationTaskConfig()}, "Validation requires a checkpoint"),
+        (False, {"validate_fn": kwargs_seen}, "without a checkpoint"),
+    ],
+)
+def test_validation_arguments_ckval_cannot_act_on_are_refused_before_anything_is_stored(
+    tmp_path, unique_run, with_checkpoint, kwargs, message
+):
+    client = Client(unique_run, start_service=False)
+    checkpoint = checkpoint_of(tmp_path / "c", 0) if with_checkpoint else None
+    with pytest.raises(InvalidInput, match=message):
+        client.report({"step": 0}, checkpoint, **kwargs)
+    assert client.registry.checkpoints(unique_run) == []
+    client.close()
+
+
+def test_the_drop_in_trainers_are_rays_and_made_on_first_use():
+    assert "TorchTrainer" in trainer_integration.__all__
+    assert issubclass(trainer_integration.TorchTrainer, ray.train.torch.TorchTrainer)
+    assert trainer_integration.TorchTrainer is trainer_integration.trainers.TorchTrainer
+    # Picklable by reference, as Ray's own classes.
+    assert cloudpickle.loads(cloudpickle.dumps(trainer_integration.TorchTrainer)) is (
+        trainer_integration.TorchTrainer
+    )
