@@ -103,17 +103,11 @@ def test_the_same_program_on_ray_and_on_ckval_shows_the_same(
     drop_in = _load(f"ckval_drop_in_{unique_run.replace('-', '_')}", _drop_in_source())
     assert drop_in.TorchTrainer.__module__ == "trainer_integration.trainers"
 
-    import time
-
-    t0 = time.monotonic()
     native_result, native_calls = _run(native, f"{unique_run}-ray", tmp_path)
-    t1 = time.monotonic()
     ckval_run = f"{unique_run}-ckval"
     ckval_result, ckval_calls = _run(drop_in, ckval_run, tmp_path)
-    t2 = time.monotonic()
     registry = Registry()
     registry.wait(ckval_run, timeout_s=60)
-    print("TIMES", t1 - t0, t2 - t1, time.monotonic() - t2)
 
     # Result: the same checkpoints, in report order, with the same reported metrics.
     native_metrics = [metrics for _, metrics in native_result.best_checkpoints]

@@ -502,7 +502,9 @@ def _set_up_rank_zero_early() -> None:
     """
     if "ray.train" not in sys.modules:  # not in a Ray Train worker: nothing to prepare
         return
-    context = _ray_train_context()
+    from validation_service._ray_compat import worker_train_context
+
+    context = worker_train_context()  # without importing Ray Tune, as ray.train.get_context
     if context is None or context.get_world_rank() != 0:
         return
     run = context.get_experiment_name()

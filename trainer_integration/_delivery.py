@@ -9,9 +9,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from validation_service.errors import CkvalError, RegistryUnavailable
+from validation_service.errors import CkvalError
+
+if TYPE_CHECKING:
+    from validation_service.errors import RegistryUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,8 @@ def with_backoff(
 ) -> T:
     """``call()``, tried again with exponential backoff while it raises
     RegistryUnavailable, until ``timeout_s`` would pass; then that error is raised."""
+    from validation_service.errors import RegistryUnavailable  # imports SQLAlchemy
+
     deadline = time.monotonic() + timeout_s
     delay = first_delay_s
     while True:

@@ -19,7 +19,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer_integration._delivery import (
     PendingReports,
@@ -31,8 +31,7 @@ from trainer_integration._journal import Record, ReportJournal
 from trainer_integration._request import CheckpointUploadMode, signed_request
 from trainer_integration._service_link import ServiceLink, resolve_settings
 from trainer_integration._trackers import TRACKERS_TAG, active_trackers
-from validation_service.config import Settings
-from validation_service.errors import CheckpointNotFound, RegistryUnavailable
+from validation_service.errors import CheckpointNotFound
 from validation_service.names import check_name
 from validation_service.request import ValidationRequest
 from validation_service.signing import PayloadTrust, job_binding
@@ -44,6 +43,10 @@ from validation_service.storage import (
     scan_folder,
 )
 from validation_service.validation import stored_int
+
+if TYPE_CHECKING:
+    from validation_service.config import Settings
+    from validation_service.errors import RegistryUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +126,8 @@ class RunReporter:
     def _registry_side(self) -> _Opened:
         """The registry, opened once on the set-up thread; waits for it. A registry that
         was unreachable is opened again by the next caller."""
+        from validation_service.errors import RegistryUnavailable
+
         with self._lock:
             future = self._opened
             if future is None:
@@ -428,6 +433,8 @@ class RunReporter:
     def _register_or_deliver(
         self, index: int, persisted: PersistedCheckpoint, metrics, job
     ) -> None:
+        from validation_service.errors import RegistryUnavailable
+
         try:
             self.register(index, persisted, metrics, job)
         except RegistryUnavailable as exc:

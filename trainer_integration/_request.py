@@ -18,7 +18,6 @@ from typing import Any
 import cloudpickle
 
 from trainer_integration._ray_validation import resolve_validation
-from validation_service.config import get_settings
 from validation_service.errors import InvalidInput
 from validation_service.jobs import ExecutorKind
 from validation_service.metrics import normalize_metrics, to_plain
@@ -194,6 +193,8 @@ def _validate_fn_payload(validate_fn) -> tuple[str | None, bytes | None, str]:
     if isinstance(validate_fn, str):
         # A reference outside CKVAL_ALLOWED_MODULES is refused before it is imported; one
         # that does not import fails here, now.
+        from validation_service.config import get_settings  # pydantic: on first use
+
         import_validate_fn(validate_fn, get_settings().allowed_modules)
         return validate_fn, None, validate_fn
     if not callable(validate_fn):

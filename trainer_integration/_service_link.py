@@ -9,9 +9,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from validation_service.config import Settings, get_settings
 from validation_service.secrets import worker_settings
+
+if TYPE_CHECKING:
+    from validation_service.config import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +25,8 @@ NUDGE_GAP_S = 0.02
 def resolve_settings() -> Settings:
     """This process's settings: its CKVAL_* variables, completed from the running service
     where Ray's runtime_env withheld secrets or set nothing (secrets.worker_settings)."""
+    from validation_service.config import get_settings  # pydantic: on first use
+
     settings = get_settings()
     return worker_settings(settings, lambda: _service_settings(settings))
 
@@ -29,6 +34,8 @@ def resolve_settings() -> Settings:
 def _service_settings(settings: Settings) -> Settings:
     """The running service's full settings, through an actor call (not shown by Ray)."""
     import ray
+
+    from validation_service.config import Settings
 
     if not ray.is_initialized():
         raise RuntimeError("this process is not connected to Ray")

@@ -153,6 +153,26 @@ def upload_line() -> UploadLine | None:
     return UploadLine(context, pool, exceptions, callbacks)
 
 
+def worker_train_context() -> Any | None:
+    """This Ray Train worker's train context (``get_world_rank()``,
+    ``get_experiment_name()``), or None outside one (and in Ray Train's local mode).
+
+    Found without ``ray.train.get_context()``, whose worker check imports Ray Tune (a
+    tenth of a second or more) on first use: for what runs as ckval is imported. With the
+    internals turned off, the public call.
+    """
+    try:
+        if internals_enabled():
+            from ray.train.v2._internal.execution.context import get_train_context
+
+            return get_train_context()
+        import ray.train
+
+        return ray.train.get_context()
+    except Exception:  # noqa: BLE001 - not in a Ray Train worker, or another Ray version
+        return None
+
+
 def train_context_callback_base() -> type | None:
     """Ray Train's TrainContextCallback (its ``on_report`` wraps ``ray.train.report``)."""
     try:
