@@ -29,13 +29,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # The tests that touch Ray's API or ckval's front doors: report() in Ray Train (SYNC,
-# ASYNC, NO_UPLOAD, the journal, Ray's internals and their fallback), the three executors,
+# ASYNC, NO_UPLOAD, the journal, Ray's internals and their fallback), the drop-in for Ray's
+# validation API (with the program run on Ray and on ckval), the three executors,
 # the Keras callback, the CLI's listings and the dashboard's API.
 SUITE = (
     "tests/test_report_in_ray_train.py",
     "tests/test_report.py",
     "tests/test_report_journal.py",
     "tests/test_ray_compat.py",
+    "tests/test_ray_dropin.py",
+    "tests/test_ray_dropin_parity.py",
     "tests/test_validators.py",
     "tests/test_keras.py",
     "tests/test_cli.py",
