@@ -75,6 +75,7 @@ def test_validation_config_and_task_config_become_one_ckval_job_each(service, tm
         ),
     )
     assert isinstance(trainer, ray.train.torch.TorchTrainer)
+    assert trainer.validation_config is None  # Ray Train itself validates nothing
     result = trainer.fit()
     assert result.error is None
     registry = Registry()
@@ -144,3 +145,18 @@ def test_the_drop_in_trainers_are_rays_and_made_on_first_use():
     assert cloudpickle.loads(cloudpickle.dumps(trainer_integration.TorchTrainer)) is (
         trainer_integration.TorchTrainer
     )
+
+
+def test_the_tensorflow_trainer_keeps_validation_config_from_ray_too():
+    pytest.importorskip("tensorflow")
+    import ray.train.tensorflow
+
+    trainer = trainer_integration.TensorflowTrainer(
+        report_twice,
+        scaling_config=ScalingConfig(num_workers=0),
+        validation_config=ValidationConfig(kwargs_seen, ray_remote_kwargs={"num_gpus": 1}),
+    )
+    assert isinstance(trainer, ray.train.tensorflow.TensorflowTrainer)
+    assert trainer.validation_config is None
+    # The train function carries it to the workers, with the resources in ckval's terms.
+    assert trainer.train_loop_per_worker.validation.resources == {"num_gpus": 1}
