@@ -119,6 +119,7 @@ def test_a_ray_remote_kwarg_ckval_cannot_apply_is_refused_when_the_trainer_is_bu
     [
         (True, {"validation": True, "validate_fn": kwargs_seen}, "together with validate_fn="),
         (True, {"validation": True, "timeout_s": 5}, "together with timeout_s="),
+        (True, {"validation": True, "max_attempts": 5}, "together with max_attempts="),
         (True, {"validation": True}, "needs the trainer's validation function"),
         (True, {"validation": "yes"}, "validation must be True, False or"),
         # As ray.train.report: no validation without a checkpoint, in either form.

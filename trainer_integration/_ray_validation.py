@@ -198,6 +198,7 @@ def resolve_validation(options: Any, has_checkpoint: bool) -> Any:
 
 
 def _refuse_mixed_forms(options: Any) -> None:
+    defaults = {field.name: field.default for field in dataclasses.fields(options)}
     mixed = [
         name
         for name, given in (
@@ -205,13 +206,14 @@ def _refuse_mixed_forms(options: Any) -> None:
             ("validate_config", options.validate_config is not None),
             ("validation_resources", options.validation_resources is not None),
             ("timeout_s", options.timeout_s is not None),
+            ("max_attempts", options.max_attempts != defaults["max_attempts"]),
         )
         if given
     ]
     if mixed:
         raise InvalidInput(
             f"report() got validation= together with {', '.join(mixed)}=: use one form. "
-            "Ray's form takes the function, its resources and fn_kwargs from the trainer's "
-            "ValidationConfig and the timeout from ValidationTaskConfig(timeout_s=...); "
+            "Ray's form takes the function, its resources, retries and fn_kwargs from the "
+            "trainer's ValidationConfig and the timeout from ValidationTaskConfig(timeout_s=...); "
             "ckval's form is validate_fn=fn, validate_config={...}."
         )
