@@ -210,6 +210,7 @@ def fresh_runs(ways: list[str], repeats: int, reports: int) -> list[dict[str, An
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
             line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
             results.append(json.loads(line[len("RESULT ") :]))
+            print(f"fresh {line}", flush=True)  # each run's figures, as they come
     return results
 
 
@@ -236,6 +237,7 @@ def long_lived_runs(ways: list[str], repeats: int, reports: int) -> list[dict[st
         for repeat in range(repeats):
             for way in ways[repeat % len(ways) :] + ways[: repeat % len(ways)]:
                 results.append(run_once(way, workdir, reports))
+                print(f"long-lived RESULT {json.dumps(results[-1])}", flush=True)
         return results
     finally:
         service.stop()

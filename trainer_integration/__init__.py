@@ -105,8 +105,8 @@ def report(
     Ray Train's form works too, under this package's ``TorchTrainer`` or
     ``TensorflowTrainer`` built with ``validation_config=ray.train.ValidationConfig(fn)``:
     ``validation=True`` or ``ray.train.ValidationTaskConfig(fn_kwargs=..., timeout_s=...)``
-    validates with ``fn(checkpoint, **fn_kwargs)``. A report without a checkpoint ignores
-    the validation arguments of either form, as Ray Train does.
+    validates with ``fn(checkpoint, **fn_kwargs)``. Either form needs a checkpoint in the
+    same report, as ``ray.train.report(validation=...)`` does.
     """
     prepared = prepare_report(metrics, checkpoint, ReportOptions.of(locals()))
     train_context = _ray_train_context()
