@@ -58,7 +58,15 @@ def report_and_return(config) -> None:
                 # SYNC: ckval's copy is done, so the folder may go at once.
                 assert os.path.exists(directory)
         else:
-            report({"step": step}, None, checkpoint_upload_mode=mode)
+            # The same validation arguments on the rank without a checkpoint: ignored
+            # there (no error, no job), as every rank may pass them.
+            report(
+                {"step": step},
+                None,
+                checkpoint_upload_mode=mode,
+                validate_fn=config.get("validate_fn"),
+                validate_config={"scale": 10},
+            )
 
 
 def trainer(run: str, storage: str, **config):
@@ -121,6 +129,8 @@ def test_async_reports_in_ray_train_are_validated_in_order_and_resolve(
     records = registry.checkpoints(unique_run)
     assert [r.report_index for r in records] == [0, 1, 2, 3]
     assert [r.metrics["validated_step"] for r in records] == [0, 10, 20, 30]
+    # One job a checkpoint: rank 1's validate_fn without a checkpoint made none.
+    assert [job.report_index for job in registry.validations(unique_run)] == [0, 1, 2, 3]
     assert [metrics["step"] for _, metrics in result.best_checkpoints] == [0, 1, 2, 3]
     for record, (pointer, _) in zip(records, result.best_checkpoints, strict=True):
         resolved = resolve_checkpoint(pointer)

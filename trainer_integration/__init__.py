@@ -105,11 +105,18 @@ def report(
     Ray Train's form works too, under this package's ``TorchTrainer`` or
     ``TensorflowTrainer`` built with ``validation_config=ray.train.ValidationConfig(fn)``:
     ``validation=True`` or ``ray.train.ValidationTaskConfig(fn_kwargs=..., timeout_s=...)``
-    validates with ``fn(checkpoint, **fn_kwargs)``. Either form needs a checkpoint in the
-    same report, as ``ray.train.report(validation=...)`` does.
+    validates with ``fn(checkpoint, **fn_kwargs)``. Inside Ray Train, a rank's report
+    without a checkpoint ignores the validation arguments of either form (no error, no
+    job), so every rank may pass them; outside Ray Train a validation without a
+    checkpoint is refused.
     """
-    prepared = prepare_report(metrics, checkpoint, ReportOptions.of(locals()))
+    options = ReportOptions.of(locals())
     train_context = _ray_train_context()
+    if train_context is not None and checkpoint is None:
+        # A rank that reports no checkpoint validates nothing: every rank may pass the
+        # same validation arguments, whichever rank passes the checkpoint.
+        options = options.without_validation()
+    prepared = prepare_report(metrics, checkpoint, options)
     if train_context is None:
         _report_outside_ray_train(prepared, checkpoint)
     else:

@@ -60,6 +60,22 @@ class ReportOptions:
     delete_local_checkpoint_after_upload: bool | None = None
     validation: Any = False  # Ray's form: True or a ray.train.ValidationTaskConfig
 
+    def without_validation(self) -> ReportOptions:
+        """These options with no validation asked for, in either form (a Ray Train rank's
+        report without a checkpoint: it validates nothing, as Ray Train's own does not)."""
+        return dataclasses.replace(
+            self,
+            validate_fn=None,
+            validate_config=None,
+            validation_resources=None,
+            priority=0,
+            timeout_s=None,
+            max_attempts=3,
+            retry_on_timeout=False,
+            coalesce=None,
+            validation=False,
+        )
+
     @classmethod
     def of(cls, arguments: dict[str, Any]) -> ReportOptions:
         """The options among a front door's arguments (its ``locals()``)."""
