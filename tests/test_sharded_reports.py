@@ -87,6 +87,9 @@ def train_sharded(config) -> None:
         dcp.save(state, checkpoint_id=folder)
         with open(os.path.join(folder, "config.json"), "w") as f:
             f.write('{"width": 8}')  # written alike by every rank: stored once
+        if mode == "RANK_1_ONLY":  # a step where only rank 1 passes a folder
+            _report_from_rank_1_only(rank, step)
+            continue
         kill = rank == 1 and step == config.get("kill_rank_1_at") and _first_attempt(config)
         if kill:
             with open(os.path.join(folder, "padding.bin"), "wb") as f:
@@ -99,6 +102,14 @@ def train_sharded(config) -> None:
         )
         if kill:
             os.kill(os.getpid(), signal.SIGKILL)  # its copy has only begun (ASYNC)
+
+
+def _report_from_rank_1_only(rank: int, step: int) -> None:
+    folder = tempfile.mkdtemp(prefix=f"rank{rank}-step{step}-")
+    with open(os.path.join(folder, f"rank-{rank}.txt"), "w") as f:
+        f.write(str(rank))
+    checkpoint = ray.train.Checkpoint.from_directory(folder) if rank == 1 else None
+    report({"step": step}, checkpoint, checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
 
 
 def _first_attempt(config) -> bool:
@@ -142,13 +153,17 @@ def test_every_ranks_shard_is_one_checkpoint_in_each_upload_mode(
 ):
     shared = tmp_path / "shared"
     shared.mkdir()
-    modes = ["ASYNC", "SYNC", "NO_UPLOAD"]
+    modes = ["ASYNC", "SYNC", "NO_UPLOAD", "RANK_1_ONLY"]
     result = fit(unique_run, session_home, modes=modes, shared=str(shared))
     assert result.error is None
     registry = Registry()
     registry.wait(unique_run, timeout_s=180, raise_on_failure=True)
     records = registry.checkpoints(unique_run)
-    assert [r.reported_metrics["step"] for r in records] == [0, 1, 2]
+    assert [r.reported_metrics["step"] for r in records] == [0, 1, 2, 3]
+    # Only rank 1 passed a folder at step 3: the checkpoint is what it passed.
+    assert sorted(os.listdir(records[3].uri)) == [".ckval-manifest.json", "rank-1.txt"]
+    assert records[3].validation_status == "NONE"
+    records = records[:3]
     for record in records:
         files = sorted(os.listdir(record.uri))
         # Both ranks' shards, rank 0's metadata, the file both wrote alike, one manifest.
@@ -162,7 +177,7 @@ def test_every_ranks_shard_is_one_checkpoint_in_each_upload_mode(
     assert registry.incomplete_checkpoints(unique_run) == []
     # Ray Train's Result lists each report once, as a pointer to ckval's checkpoint.
     resolved = [resolve_checkpoint(c).path for c, _ in result.best_checkpoints]
-    assert resolved == [r.uri for r in records]
+    assert resolved[:3] == [r.uri for r in records]
 
 
 def test_a_rank_killed_mid_copy_leaves_an_incomplete_checkpoint_never_validated(
