@@ -94,6 +94,7 @@ CHECKED_SETTINGS = frozenset(
         "sink_attempts",
         "sink_backoff_s",
         "append",
+        "shard_conflicts",
         "api_hosts",
         "max_manual_retries",
     }
