@@ -16,6 +16,7 @@ Where any of them is missing, ``report_line()`` returns None and report() calls
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -41,6 +42,7 @@ def report_line() -> RayReportLine | None:
             line = RayReportLine(parts.pool, parts.exceptions)
             parts.callbacks.append(_keep_program_order(line))
             _current = (parts.context, line)
+            _listing_waits_for_queued_reports()
         return _current[1]
 
 
@@ -92,6 +94,27 @@ class RayReportLine:
         with self._idle:
             self._pending -= 1
             self._idle.notify_all()
+
+
+def _listing_waits_for_queued_reports() -> None:
+    """``ray.train.get_all_reported_checkpoints()`` waits for the reports Ray Train has
+    been handed; in this worker it first waits for those ckval still has queued, so that
+    it lists every report made before it, as with Ray Train's own reports."""
+    import ray.train
+
+    listing = getattr(ray.train, "get_all_reported_checkpoints", None)
+    if listing is None or getattr(listing, "waits_for_ckval", False):
+        return
+
+    @functools.wraps(listing)
+    def get_all_reported_checkpoints(*args, **kwargs):
+        current = _current
+        if current is not None and not current[1].on_line():
+            current[1].wait_idle()
+        return listing(*args, **kwargs)
+
+    get_all_reported_checkpoints.waits_for_ckval = True
+    ray.train.get_all_reported_checkpoints = get_all_reported_checkpoints
 
 
 def _keep_program_order(line: RayReportLine):
