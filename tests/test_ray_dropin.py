@@ -30,6 +30,16 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
+@pytest.fixture(autouse=True)
+def no_local_mode_context_outlives_its_test(monkeypatch):
+    """Ray Train's local mode (num_workers=0) leaves its train context set in this process
+    after fit(): put it back, or later tests' report() calls would think they run inside
+    Ray Train."""
+    from ray.train.v2._internal.execution import train_fn_utils
+
+    monkeypatch.setattr(train_fn_utils, "_train_fn_utils", train_fn_utils._train_fn_utils)
+
+
 def kwargs_seen(checkpoint, a, b, c=None) -> dict:
     """A Ray-style validation function: returns the fn_kwargs it was called with."""
     with checkpoint.as_directory() as directory:
