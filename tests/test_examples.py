@@ -121,15 +121,16 @@ def test_example_ray_train_torch(tmp_path):
 
 def test_example_sharded_fsdp2(tmp_path):
     out = run(
-        [sys.executable, "examples/sharded_fsdp2.py", "--reports", "2", "--run", "sharded"],
+        # One report: each is an eval-only Ray Train run of its own (the suite's time).
+        [sys.executable, "examples/sharded_fsdp2.py", "--reports", "1", "--run", "sharded"],
         tmp_path,
         with_stderr=True,
     )
     assert_quiet(out)
-    assert_under_home(tmp_path, "sharded", "sharded-validate-0", "sharded-validate-1")
+    assert_under_home(tmp_path, "sharded", "sharded-validate-0")
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     records = registry.checkpoints("sharded")
-    assert [r.validation_status for r in records] == ["VALIDATED"] * 2
+    assert [r.validation_status for r in records] == ["VALIDATED"]
     for record in records:  # both training ranks' shards, stored as one checkpoint
         assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(record.uri))
         assert record.validated_metrics["eval_world_size"] == 3

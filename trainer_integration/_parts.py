@@ -183,10 +183,13 @@ class ShardReporter:
         )
 
     def _store(self, joined, checkpoint, source, staged, location, metrics):
+        # The slot first: it was joined through the registry that the set-up thread
+        # opened, importing SQLAlchemy. Importing it on two threads at once can meet its
+        # modules half made (a circular import), so this thread imports none before.
+        slot = joined.result()
         from validation_service.registry.assemblies import PartRecord
 
         reporter = self.reporter
-        slot = joined.result()
         storage = reporter.storage
         if location is not None:
             part = PartRecord(self.rank, location, None, 0, metrics)
