@@ -17,6 +17,7 @@ from typing import Any
 from trainer_integration import CheckpointUploadMode, Client, report, upload_mode
 from trainer_integration._context import started_run as _started_run
 from trainer_integration._context import train_context
+from trainer_integration._imports import import_once
 from validation_service.errors import InvalidInput
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ class CallbackReporter:
         """The registry the run's checkpoints are registered in (the reporter's settings)."""
         if self._registry is None:
             from trainer_integration._service_link import resolve_settings
-            from validation_service.registry.registry import Registry
+
+            Registry = import_once("validation_service.registry.registry").Registry
 
             self._registry = Registry(settings=resolve_settings())
         return self._registry

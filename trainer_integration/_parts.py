@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from trainer_integration._delivery import with_backoff
+from trainer_integration._imports import import_once
 from trainer_integration._request import CheckpointUploadMode, signed_request
 from validation_service.errors import CkvalError, InvalidInput
 from validation_service.jobs import AssemblyStatus
@@ -187,7 +188,7 @@ class ShardReporter:
         # opened, importing SQLAlchemy. Importing it on two threads at once can meet its
         # modules half made (a circular import), so this thread imports none before.
         slot = joined.result()
-        from validation_service.registry.assemblies import PartRecord
+        PartRecord = import_once("validation_service.registry.assemblies").PartRecord
 
         reporter = self.reporter
         storage = reporter.storage
@@ -209,7 +210,7 @@ class ShardReporter:
         return slot
 
     def _store_files(self, storage, slot, checkpoint, source, staged):
-        from validation_service.parts import store_part
+        store_part = import_once("validation_service.parts").store_part
 
         target = storage.path_of(slot.uri)
         if source is not None:
@@ -222,7 +223,8 @@ class ShardReporter:
         """Makes the report's parts one checkpoint and registers it with its validation,
         if this rank is the lowest that stored a part; call it once every rank that
         reports in this step has stored its part. Returns whether this rank sealed it."""
-        from validation_service.parts import adopt_shared, assemble
+        parts_module = import_once("validation_service.parts")
+        adopt_shared, assemble = parts_module.adopt_shared, parts_module.assemble
 
         reporter = self.reporter
         slot = shard.registered.result()

@@ -27,6 +27,7 @@ from trainer_integration._delivery import (
     unavailable_reason,
     with_backoff,
 )
+from trainer_integration._imports import import_once
 from trainer_integration._journal import Record, ReportJournal
 from trainer_integration._request import CheckpointUploadMode, signed_request
 from trainer_integration._service_link import ServiceLink, resolve_settings
@@ -141,7 +142,7 @@ class RunReporter:
             raise
 
     def _open_registry(self) -> _Opened:
-        from validation_service.registry.registry import Registry
+        Registry = import_once("validation_service.registry.registry").Registry
 
         settings = self.settings
         registry = Registry(settings=settings)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from trainer_integration._imports import import_once
 from validation_service.secrets import worker_settings
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class ServiceLink:
         """The running service's handle, starting the service if none runs."""
         with self._lock:
             if self._handle is None:
-                from validation_service.service import ValidationService
+                ValidationService = import_once("validation_service.service").ValidationService
 
                 settings = self._settings()
                 self._handle = ValidationService.get(settings) or ValidationService.start(
