@@ -92,6 +92,7 @@ def train_sharded(config) -> None:
             continue
         kill = rank == 1 and step == config.get("kill_rank_1_at") and _first_attempt(config)
         if kill:
+            _wait_for_checkpoints(context.get_experiment_name(), step)  # earlier ones sealed
             with open(os.path.join(folder, "padding.bin"), "wb") as f:
                 f.write(os.urandom(64 * 1024 * 1024))
         report(
@@ -110,6 +111,20 @@ def _report_from_rank_1_only(rank: int, step: int) -> None:
         f.write(str(rank))
     checkpoint = ray.train.Checkpoint.from_directory(folder) if rank == 1 else None
     report({"step": step}, checkpoint, checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
+
+
+def _wait_for_checkpoints(run: str, count: int) -> None:
+    """Waits until the run's first ``count`` reports are checkpoints (sealed), so that only
+    the report made after this one is cut short."""
+    import time
+
+    from validation_service.registry.registry import Registry
+
+    registry, deadline = Registry(), time.monotonic() + 120
+    while len(registry.checkpoints(run)) < count:
+        assert time.monotonic() < deadline, f"{count} checkpoint(s) of {run} not sealed in 120 s"
+        time.sleep(0.05)
+    registry.close()
 
 
 def _first_attempt(config) -> bool:
