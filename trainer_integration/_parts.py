@@ -23,6 +23,7 @@ from typing import Any
 
 from trainer_integration._delivery import with_backoff
 from trainer_integration._imports import import_once
+from trainer_integration._reporter import _is_local, _uri_of
 from trainer_integration._request import CheckpointUploadMode, signed_request
 from validation_service.errors import CkvalError, InvalidInput
 from validation_service.jobs import AssemblyStatus
@@ -265,13 +266,5 @@ def _drop_if_stored(stored: Future, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _is_local(checkpoint) -> bool:
-    import pyarrow.fs
-
-    return isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
-
-
 def _path_of(checkpoint) -> str:
-    if _is_local(checkpoint):
-        return checkpoint.path
-    return f"{checkpoint.filesystem.type_name}://{checkpoint.path}"
+    return checkpoint.path if _is_local(checkpoint) else _uri_of(checkpoint)
