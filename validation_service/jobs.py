@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import enum
 
+# The evaluation report() asks for; revalidate() queues others under names of their own.
+DEFAULT_VALIDATOR = "default"
+
 
 class JobStatus(str, enum.Enum):
     """Life cycle of one validation job.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from validation_service.jobs import DEFAULT_VALIDATOR
 from validation_service.validation import check_request
 
 
@@ -38,6 +39,10 @@ class ValidationRequest:
     retry_on_timeout: bool = False
     # "latest": registering this job cancels the run's older QUEUED jobs.
     coalesce: str | None = None
+    # The evaluation the job belongs to ("default": report()'s); revalidate() names its
+    # own and queues them as background jobs, claimed after the live runs' jobs.
+    validator: str = DEFAULT_VALIDATOR
+    background: bool = False
 
     def __post_init__(self) -> None:
         check_request(self)

@@ -13,6 +13,7 @@ from typing import Any
 
 from validation_service.errors import InvalidInput, JobNotFound
 from validation_service.jobs import JobStatus
+from validation_service.names import check_name
 
 # Column sizes: Integer is 32 bits on PostgreSQL, BigInteger 64 bits (SQLite stores both
 # in 64 bits).
@@ -150,6 +151,8 @@ def check_request(request: Any) -> None:
         )
     if request.coalesce not in (None, "latest"):
         raise InvalidInput(f"coalesce must be None or 'latest', got {request.coalesce!r}")
+    check_name("validator name", request.validator)
+    check_flag("background", request.background)
 
 
 def check_checkpoint(checkpoint: Any) -> None:

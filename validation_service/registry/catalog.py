@@ -439,6 +439,7 @@ def checkpoint_row(
         "metrics": metrics,
         "validation_status": None,
         "deleted_at": None,
+        "external": False,
     }
 
 

@@ -19,10 +19,17 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from validation_service.jobs import AssemblyStatus, JobStatus, RunStatus, ValidationStatus
+from validation_service.jobs import (
+    DEFAULT_VALIDATOR,
+    AssemblyStatus,
+    JobStatus,
+    RunStatus,
+    ValidationStatus,
+)
 
 
 def utcnow() -> dt.datetime:
@@ -96,6 +103,8 @@ class Checkpoint(Base):
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     validation_status: Mapped[str] = mapped_column(String(16), default=ValidationStatus.NONE.value)
     deleted_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    # Added by register(): a folder made outside training, never deleted by retention.
+    external: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     run: Mapped[Run] = relationship(back_populates="checkpoints")
     jobs: Mapped[list[ValidationJob]] = relationship(back_populates="checkpoint")
@@ -125,10 +134,30 @@ class MetricValue(Base):
     effective: Mapped[bool] = mapped_column(Boolean, default=True)
 
 
+class EvaluationMetric(Base):
+    """One finite numeric metric of one checkpoint from a named evaluation (not "default"):
+    each validator's values stay apart, and best-k by one of them uses an index."""
+
+    __tablename__ = "evaluation_metrics"
+    __table_args__ = (
+        Index("ix_evaluation_metrics_run_rank", "run_id", "validator", "name", "value"),
+        Index("ix_evaluation_metrics_rank", "validator", "name", "value"),
+    )
+
+    checkpoint_id: Mapped[int] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    validator: Mapped[str] = mapped_column(String(128), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    value: Mapped[float] = mapped_column(Float)
+
+
 class ValidationJob(Base):
     __tablename__ = "validation_jobs"
     __table_args__ = (
-        Index("ix_validation_jobs_due", "status", "pool", "priority", "not_before"),
+        Index("ix_validation_jobs_due", "status", "pool", "background", "priority", "not_before"),
+        Index("ix_validation_jobs_checkpoint_validator", "checkpoint_id", "validator"),
         Index("ix_validation_jobs_lease", "status", "lease_expires_at"),
         # The dashboard's last activity per run and /metrics' changes since a scrape.
         Index("ix_validation_jobs_run_updated", "run_id", "updated_at"),
@@ -149,6 +178,12 @@ class ValidationJob(Base):
     resources: Mapped[dict[str, Any]] = mapped_column(default=dict)
     pool: Mapped[str] = mapped_column(String(128))
     priority: Mapped[int] = mapped_column(Integer, default=0)
+    # The evaluation this job belongs to: "default" is report()'s, others revalidate()'s.
+    validator: Mapped[str] = mapped_column(
+        String(128), default=DEFAULT_VALIDATOR, server_default=DEFAULT_VALIDATOR
+    )
+    # Queued over history (revalidate): claimed after the live runs' jobs of its pool.
+    background: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer, default=3)
@@ -165,6 +200,8 @@ class ValidationJob(Base):
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
     error_traceback: Mapped[str | None] = mapped_column(Text, nullable=True)
     result_metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # What the attempt that finished it warned of (a sink that logged elsewhere).
+    warnings: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     started_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)

@@ -88,6 +88,8 @@ def enqueue_row(
         "resources": request.resources,
         "pool": request.pool,
         "priority": request.priority,
+        "validator": request.validator,
+        "background": request.background,
         "status": JobStatus.QUEUED.value,
         "attempts": 0,
         "max_attempts": request.max_attempts,
