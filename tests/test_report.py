@@ -264,7 +264,7 @@ def test_validate_fn_sees_which_validation_it_runs(service, tmp_path, unique_run
 
 def test_a_validate_fn_is_pickled_once_per_process():
     """As Ray pickles ValidationConfig(fn) once: per-report values go in validate_config."""
-    from trainer_integration._request import validation_request
+    from validation_service.payloads import validation_request
 
     def validate(checkpoint, config):
         return {"ok": 1.0}

@@ -14,8 +14,8 @@ from ray.train import Checkpoint
 
 from trainer_integration._journal import RECORD_SUFFIX, ReportJournal
 from trainer_integration._reporter import RunReporter
-from trainer_integration._request import validation_request
 from validation_service.config import get_settings
+from validation_service.payloads import validation_request
 
 # The reporting process: reports SYNC with copy_now (as report() does inside Ray Train),
 # with the step named by BLOCK held back, and dies at once after report() returns.
@@ -24,7 +24,7 @@ REPORTER = textwrap.dedent(
     import json, os, sys, threading
     from ray.train import Checkpoint
     from trainer_integration._reporter import RunReporter
-    from trainer_integration._request import validation_request
+    from validation_service.payloads import validation_request
 
     run, folder, block = sys.argv[1], sys.argv[2], sys.argv[3]
     reporter = RunReporter(run, start_service=False)

@@ -128,7 +128,7 @@ def test_validation_reads_from_s3(s3_service, tmp_path, unique_run):
 
 def test_damaged_s3_checkpoints_fail_without_retries(s3_service, tmp_path, unique_run):
     """Checkpoints damaged in S3 after they were reported: the job fails at once."""
-    from trainer_integration._request import signed_request, validation_request
+    from validation_service.payloads import signed_request, validation_request
     from validation_service.signing import job_binding
 
     settings = s3_service

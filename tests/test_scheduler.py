@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer_integration._request import signed_request
 from validation_service.config import Settings, get_settings
 from validation_service.executors import AttemptHandle
 from validation_service.executors._run import run_attempt
+from validation_service.payloads import signed_request
 from validation_service.registry.records import ClaimedJob, JobOutcome
 from validation_service.registry.registry import Registry
 from validation_service.request import ValidationRequest

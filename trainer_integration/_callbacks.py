@@ -182,7 +182,7 @@ def check_report_options(
 ) -> None:
     """Checks what every report of the callback will ask for, now: a validate_fn or
     validate_config that cannot be pickled, or resources ckval cannot use, fail here."""
-    from trainer_integration._request import validation_request
+    from validation_service.payloads import validation_request
     from validation_service.validate_fn import takes_config_as_keywords
 
     validation_request(

@@ -24,10 +24,11 @@ from typing import Any
 from trainer_integration._delivery import with_backoff
 from trainer_integration._imports import import_once
 from trainer_integration._reporter import _is_local, _uri_of
-from trainer_integration._request import CheckpointUploadMode, signed_request
+from trainer_integration._request import CheckpointUploadMode
 from validation_service.errors import CkvalError, InvalidInput
 from validation_service.jobs import AssemblyStatus
 from validation_service.manifest import scan_folder
+from validation_service.payloads import signed_request
 from validation_service.request import ValidationRequest
 
 _groups: dict[tuple[str, int], _Calls] = {}  # (run, rank) -> this worker's report() calls

@@ -29,11 +29,12 @@ from trainer_integration._delivery import (
 )
 from trainer_integration._imports import import_once
 from trainer_integration._journal import Record, ReportJournal
-from trainer_integration._request import CheckpointUploadMode, signed_request
+from trainer_integration._request import CheckpointUploadMode
 from trainer_integration._service_link import ServiceLink, resolve_settings
 from trainer_integration._trackers import TRACKERS_TAG, active_trackers
 from validation_service.errors import CheckpointNotFound
 from validation_service.names import check_name
+from validation_service.payloads import signed_request
 from validation_service.request import ValidationRequest
 from validation_service.signing import PayloadTrust, job_binding
 from validation_service.storage import (
