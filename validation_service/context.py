@@ -20,6 +20,12 @@ class ValidationContext:
     attempt: int
     checkpoint_uri: str
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # What the validator chose to keep with the attempt (`ckval job N --log`).
+    kept_output: list[str] = dataclasses.field(default_factory=list)
+
+    def keep_output(self, text: str) -> None:
+        """Keeps ``text`` with the attempt, as its log (its last MAX_LOG_CHARS)."""
+        self.kept_output.append(text)
 
     def stored_checkpoint(self):
         """The checkpoint where it is stored (any node can read it), not a local copy."""

@@ -178,7 +178,7 @@ class TrainingProgress:
 
 def exit_message(registry, run_name: str, epochs: int) -> str | None:
     """Why the demo fails (validations that failed, or too few validated), or None."""
-    from validation_service.registry.registry import failed_jobs
+    from validation_service.registry.waiting import failed_jobs
 
     counts = registry.job_counts(run_name)
     failed = failed_jobs(registry.validations(run_name))

@@ -98,15 +98,19 @@ class RunNotFound(CkvalError, LookupError):
 
 
 class UnknownMetric(CkvalError, LookupError):
-    def __init__(self, metric: str, run: str | None, known: list[str]):
+    def __init__(
+        self, metric: str, run: str | None, known: list[str], *, validator: str | None = None
+    ):
         self.metric = metric
         self.run = run
         self.known = known
+        self.validator = validator
         where = f"run {run!r}" if run else "any run"
+        by = f" from validator {validator!r}" if validator else ""
         shown = ", ".join(sorted(known)) if known else "none yet"
         super().__init__(
-            f"No checkpoint of {where} has a metric named {metric!r}. "
-            f"Metrics recorded: {shown}. Pass one of those as metric=."
+            f"No checkpoint of {where} has a metric named {metric!r}{by}. "
+            f"Metrics recorded{by}: {shown}. Pass one of those as metric=."
         )
 
 
@@ -213,6 +217,11 @@ class ValidationFnError(CkvalError):
 
 class PermanentValidationError(CkvalError):
     """Raise this from a validate_fn to fail the job at once, without retries."""
+
+
+class ValidationTimedOut(PermanentValidationError):
+    """A validator's own time limit ran out (a CommandValidator's program was killed):
+    the job ends TIMED_OUT, or runs again if it was queued with retry_on_timeout."""
 
 
 def __getattr__(name: str):

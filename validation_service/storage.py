@@ -69,6 +69,42 @@ def _filesystem(uri: str, storage_options: dict[str, Any] | None = None):
         ) from None
 
 
+def outside_folder(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[str, int]:
+    """(URI, size in bytes) of an existing folder made outside training (a released model,
+    a Hugging Face folder), local or any fsspec URI, for Registry.register; a local path
+    becomes absolute. Raises CheckpointNotFound naming what is there instead."""
+    fs, path = _filesystem(uri, storage_options)
+    local = isinstance(fs, LocalFileSystem)
+    if local:
+        path = os.path.abspath(os.path.expanduser(path))
+    try:
+        is_dir = fs.isdir(path)
+    except OSError as exc:
+        raise CheckpointNotFound(uri, f"it cannot be read ({exc})") from None
+    if not is_dir:
+        what = "a file, not a folder" if fs.exists(path) else "nothing there"
+        raise CheckpointNotFound(uri, f"{what}; register the folder holding the checkpoint")
+    size = sum(int(info.get("size") or 0) for info in fs.find(path, detail=True).values())
+    return (path if local else fs.unstrip_protocol(path)), size
+
+
+def _has_manifest(uri: str, storage_options: dict[str, Any]) -> bool:
+    fs, path = _filesystem(uri, storage_options)
+    return fs.exists(posixpath.join(path, MANIFEST_NAME))
+
+
+def _outside_folder_copy(uri: str, storage_options: dict[str, Any], workdir: str) -> str:
+    """A registered outside folder to read: local, as it is; remote, downloaded."""
+    fs, path = _filesystem(uri, storage_options)
+    if not fs.isdir(path):
+        raise CheckpointNotFound(uri, "the registered folder is gone")
+    if isinstance(fs, LocalFileSystem):
+        return os.path.abspath(os.path.expanduser(path))
+    target_root = tempfile.mkdtemp(prefix="ckpt-", dir=workdir)
+    fs.get(path.rstrip("/") + "/", target_root + "/", recursive=True)
+    return target_root
+
+
 class CheckpointStorage:
     """Where checkpoints live: a local folder, S3, or any fsspec URI."""
 
@@ -360,8 +396,11 @@ class CheckpointStorage:
         """A verified local directory with the checkpoint's files.
 
         Local storage is verified in place and returned as is; remote storage is
-        downloaded into ``workdir`` and verified while it downloads.
+        downloaded into ``workdir`` and verified while it downloads. A folder registered
+        from outside training (Registry.register: no manifest) is read as it is.
         """
+        if manifest_sha256 is None and not _has_manifest(uri, self.storage_options):
+            return _outside_folder_copy(uri, self.storage_options, workdir)
         if self.is_local:
             self.verify(uri, manifest_sha256)
             return self.readable_path(uri)

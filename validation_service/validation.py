@@ -44,6 +44,10 @@ def check_int(value: Any, what: str, low: int, high: int) -> int:
     return value
 
 
+def check_report_index(index: Any) -> int:
+    return check_int(index, "report index", 0, INT32_MAX)
+
+
 def check_priority(priority: Any) -> int:
     return check_int(priority, "priority", INT32_MIN, INT32_MAX)
 

@@ -10,7 +10,8 @@ name of their own. The metrics of a named evaluation live in evaluation_metrics,
 per (checkpoint, validator, metric), so a second evaluation never overwrites the first.
 Jobs queued over history are "background": the queue hands them out after the live
 runs' jobs. A checkpoint added by register() is "external": retention never deletes it.
-A job keeps the warnings its attempt gave (a sink that logged elsewhere, for example).
+A job keeps the warnings its attempt gave (a sink that logged elsewhere, for example),
+an attempt the output its validator kept (an outside program's stdout and stderr).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def upgrade() -> None:
         sa.Column("background", sa.Boolean(), nullable=False, server_default=sa.false()),
     )
     op.add_column("validation_jobs", sa.Column("warnings", sa.JSON(), nullable=True))
+    op.add_column("validation_attempts", sa.Column("log", sa.Text(), nullable=True))
     op.add_column(
         "checkpoints",
         sa.Column("external", sa.Boolean(), nullable=False, server_default=sa.false()),
@@ -80,6 +82,8 @@ def downgrade() -> None:
     op.create_index(
         "ix_validation_jobs_due", "validation_jobs", ["status", "pool", "priority", "not_before"]
     )
+    with op.batch_alter_table("validation_attempts") as batch:
+        batch.drop_column("log")
     with op.batch_alter_table("checkpoints") as batch:
         batch.drop_column("external")
     with op.batch_alter_table("validation_jobs") as batch:

@@ -16,6 +16,7 @@ from validation_service.errors import (
     InvalidInput,
     PayloadSignatureError,
     PermanentValidationError,
+    ValidationTimedOut,
 )
 from validation_service.metrics import normalize_metrics
 from validation_service.registry.records import ClaimedJob
@@ -35,6 +36,9 @@ __all__ = [
     "run_attempt",
 ]
 
+
+# How much of an attempt's kept output (a CommandValidator's program's) is stored.
+MAX_LOG_CHARS = 64 * 1024
 
 # Errors that cannot go away by running the same attempt again.
 _PERMANENT = (
@@ -60,14 +64,16 @@ def run_attempt(
     started_at = dt.datetime.now(dt.timezone.utc)
     where = _where()
     workdir = tempfile.mkdtemp(prefix=f"ckval-job{job.job_id}-")
+    kept: list[str] = []
     try:
-        metrics = _validate(job, storage_root, storage_options, trust, workdir)
+        metrics = _validate(job, storage_root, storage_options, trust, workdir, kept)
         return {
             "succeeded": True,
             "metrics": metrics,
             "started_at": started_at,
             **where,
             "finished_at": dt.datetime.now(dt.timezone.utc),
+            "log": _log(kept),
         }
     except Exception as exc:  # noqa: BLE001 - every failure is recorded on the job
         return {
@@ -76,12 +82,24 @@ def run_attempt(
             "error_message": storable_text(str(exc) or repr(exc)),
             "error_traceback": storable_text(traceback.format_exc()),
             "retryable": not isinstance(exc, _PERMANENT),
+            "timed_out": isinstance(exc, ValidationTimedOut),
             "started_at": started_at,
             "finished_at": dt.datetime.now(dt.timezone.utc),
             **where,
+            "log": _log(kept),
         }
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _log(kept: list[str]) -> str | None:
+    """The output the validator kept, its last MAX_LOG_CHARS characters."""
+    if not kept:
+        return None
+    text = "".join(kept)
+    if len(text) > MAX_LOG_CHARS:
+        text = f"[{len(text) - MAX_LOG_CHARS} earlier characters cut]\n" + text[-MAX_LOG_CHARS:]
+    return storable_text(text)
 
 
 def _validate(
@@ -90,6 +108,7 @@ def _validate(
     storage_options: dict,
     trust: PayloadTrust | None,
     workdir: str,
+    kept: list[str],
 ) -> dict[str, Any]:
     """Verifies the payloads, materializes the checkpoint into ``workdir`` and calls the
     validate_fn in its context; returns its metrics, normalized."""
@@ -110,6 +129,7 @@ def _validate(
         job.attempt,
         job.uri,
         storage_options,
+        kept,
     )
     with validation_context(context):
         result = call_validate_fn(validate_fn, Checkpoint.from_directory(local_dir), config)

@@ -378,7 +378,7 @@ def _fields(cls: type, *, leave_out: Sequence[str] = ()) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.name not in leave_out]
 
 
-_CHECKPOINT_FIELDS = _fields(CheckpointRecord, leave_out=("run", "aliases", "tags"))
+_CHECKPOINT_FIELDS = _fields(CheckpointRecord, leave_out=("run", "aliases", "tags", "evaluations"))
 _JOB_FIELDS = _fields(JobRecord, leave_out=("run", "report_index", "attempt_history"))
 _ATTEMPT_FIELDS = _fields(AttemptRecord)
 _RUN_FIELDS = _fields(RunRecord)

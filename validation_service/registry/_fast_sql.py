@@ -203,7 +203,7 @@ JOB_ATTEMPTS = (
     "validation_attempts.status, validation_attempts.claimed_at, "
     "validation_attempts.started_at, validation_attempts.finished_at, "
     "validation_attempts.node_id, validation_attempts.worker_pid, "
-    "validation_attempts.error_message \n"
+    "validation_attempts.error_message, validation_attempts.log \n"
     "FROM validation_attempts \n"
     "WHERE validation_attempts.job_id IN (__[POSTCOMPILE_ids]) ORDER BY "
     "validation_attempts.attempt"

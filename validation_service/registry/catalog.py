@@ -313,7 +313,7 @@ class Catalog:
         with self.db.read() as session:
             run_id = self.require_run_id(session, run, attempt)
             row = session.execute(
-                select(*_RECORD_COLUMNS)
+                select(*RECORD_COLUMNS)
                 .where(Checkpoint.run_id == run_id, Checkpoint.deleted_at.is_(None))
                 .order_by(Checkpoint.report_index.desc())
                 .limit(1)
@@ -404,7 +404,7 @@ def _best_query(mode: Mode, by_run: bool):
     if by_run:
         conditions.append(MetricValue.run_id == bindparam("b_run_id"))
     return (
-        select(*_RECORD_COLUMNS, Run.name.label("run_name"))
+        select(*RECORD_COLUMNS, Run.name.label("run_name"))
         .join(MetricValue, MetricValue.checkpoint_id == Checkpoint.id)
         .join(Run, Run.id == MetricValue.run_id)
         .where(*conditions)
@@ -415,8 +415,8 @@ def _best_query(mode: Mode, by_run: bool):
 
 def checkpoints_query(run_id: Any, *, include_deleted: bool):
     """A run attempt's checkpoints (the live ones unless ``include_deleted``) in report
-    order, as _RECORD_COLUMNS (the CLI's fast read runs it too)."""
-    query = select(*_RECORD_COLUMNS).where(Checkpoint.run_id == run_id)
+    order, as RECORD_COLUMNS (the CLI's fast read runs it too)."""
+    query = select(*RECORD_COLUMNS).where(Checkpoint.run_id == run_id)
     if not include_deleted:
         query = query.where(Checkpoint.deleted_at.is_(None))
     return query.order_by(Checkpoint.report_index)
@@ -474,12 +474,12 @@ def run_record(run: Run) -> RunRecord:
 
 
 def checkpoint_record(c: Row, run: str) -> CheckpointRecord:
-    """A record from a row of _RECORD_COLUMNS (a plain row: no ORM object to build)."""
-    return record_from(CheckpointRecord, c, run=run, aliases=(), tags={})
+    """A record from a row of RECORD_COLUMNS (a plain row: no ORM object to build)."""
+    return record_from(CheckpointRecord, c, run=run, aliases=(), tags={}, evaluations={})
 
 
 # The record's fields that are checkpoints columns (not run, aliases, tags).
-_RECORD_COLUMNS = tuple(
+RECORD_COLUMNS = tuple(
     _checkpoints.c[f.name] for f in dataclasses.fields(CheckpointRecord) if f.name in _checkpoints.c
 )
 _METRIC_VALUE_COLUMNS = ("checkpoint_id", "run_id", "name", "source", "value", "effective")

@@ -14,9 +14,9 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 
 from validation_service.errors import InvalidInput, RegistryRejected, RetryLimitReached
-from validation_service.jobs import JobStatus
+from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus
 from validation_service.metrics import normalize_metrics
-from validation_service.registry import transitions
+from validation_service.registry import evaluations, transitions
 from validation_service.registry.catalog import Catalog
 from validation_service.registry.database import Database, retry_on_disconnect
 from validation_service.registry.housekeeping import Housekeeping
@@ -109,7 +109,9 @@ class JobQueue:
             raise RegistryRejected(self.db.display_url, exc) from exc
         if finished is None:
             return False
-        run_id, status = finished
+        run_id, status, validator = finished
+        if validator != DEFAULT_VALIDATOR:
+            return True  # a named evaluation over history: no run stops or moves for it
         if metrics is not None:
             # Merged metrics may stop the run, move tracked aliases and let retention delete.
             self.housekeeping.after_validation(run_id)
@@ -120,17 +122,17 @@ class JobQueue:
 
     def _finish_job(
         self, job_id, lease_token, outcome, metrics, policy
-    ) -> tuple[int, JobStatus] | None:
-        """The job's run id and new status once its outcome is recorded; None for a stale
-        token."""
+    ) -> tuple[int, JobStatus, str] | None:
+        """The job's run id, new status and validator once its outcome is recorded; None
+        for a stale token."""
         now = utcnow()
         with self.db.write() as conn:
             job = transitions.running_job(conn, job_id, lease_token)
             if job is None and metrics is not None:
                 # A retry after a lost connection: the first try may have committed.
-                run_id = transitions.succeeded_run_id(conn, job_id, lease_token)
-                if run_id is not None:
-                    return run_id, JobStatus.SUCCEEDED
+                done = transitions.succeeded_job(conn, job_id, lease_token)
+                if done is not None:
+                    return done.run_id, JobStatus.SUCCEEDED, done.validator
             if job is None:
                 logger.warning(
                     "discarding the result of job %s with stale lease token %s",
@@ -139,7 +141,11 @@ class JobQueue:
                 )
                 return None
             if metrics is not None:
-                merged = self.catalog.merge_validated(conn, job, metrics)
+                merged = None
+                if job.validator == DEFAULT_VALIDATOR:
+                    merged = self.catalog.merge_validated(conn, job, metrics)
+                else:
+                    evaluations.store_results(conn, job, metrics)
                 status = JobStatus.SUCCEEDED
                 transitions.finish(
                     conn,
@@ -162,7 +168,7 @@ class JobQueue:
                 transitions.finish(
                     conn, job, outcome, decision.status, now, not_before=decision.not_before
                 )
-        return job.run_id, status
+        return job.run_id, status, job.validator
 
     # ------------------------------------------------------- operators' commands
     def cancel(self, job_ids: list[int] | None, run_id: int | None, reason: str) -> list[int]:

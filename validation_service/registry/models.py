@@ -233,6 +233,8 @@ class ValidationAttempt(Base):
     node_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
     worker_pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The attempt's output, when its validator keeps it (a CommandValidator's program).
+    log: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     job: Mapped[ValidationJob] = relationship(back_populates="attempt_rows")
 

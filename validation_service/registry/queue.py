@@ -15,7 +15,7 @@ from sqlalchemy.engine import Connection, Row
 from sqlalchemy.orm import Session, selectinload
 
 from validation_service.errors import JobNotFound
-from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus
+from validation_service.jobs import ACTIVE_JOB_STATUSES, DEFAULT_VALIDATOR, JobStatus
 from validation_service.registry import transitions
 from validation_service.registry.database import Database
 from validation_service.registry.limits import IDS_PER_IN_LIST
@@ -48,6 +48,7 @@ LEASE_COLUMNS = (
     _jobs.c.attempts,
     _jobs.c.attempts_before_retry,
     _jobs.c.max_attempts,
+    _jobs.c.validator,
 )
 
 
@@ -148,11 +149,11 @@ class Queue:
                 # The cap is the cluster's: replicas claiming the same pool take turns.
                 _lock_pool(conn, pool)
                 running = conn.execute(_RUNNING_IN_POOL, {"b_pool": pool}).scalar_one()
-                free = pool_limits.get(pool, default_limit) - running
-                free = min(free, max_jobs - len(claimed))
+                limit = pool_limits.get(pool, default_limit)
+                free = min(limit - running, max_jobs - len(claimed))
                 if free <= 0:
                     continue
-                ids = _lock_due_job_ids(conn, pool, now, free)
+                ids = _lock_due_job_ids(conn, pool, now, free, _background_slots(limit, running))
                 if ids:
                     rows = transitions.claim(conn, ids, owner=owner, expires=expires, now=now)
                     claimed.extend(claimed_job(row, expires) for row in rows)
@@ -212,7 +213,8 @@ class Queue:
         return conn.execute(query.order_by(_jobs.c.id)).all()
 
     def queued_before(self, conn: Connection, run_id: int, report_index: int) -> Sequence[Row]:
-        """The run's QUEUED jobs of reports older than ``report_index``."""
+        """The run's QUEUED jobs of reports older than ``report_index`` (report()'s own:
+        a named evaluation's jobs over history are no live run's to coalesce)."""
         checkpoints = Checkpoint.__table__
         return conn.execute(
             select(*LEASE_COLUMNS)
@@ -220,6 +222,7 @@ class Queue:
             .where(
                 _jobs.c.run_id == run_id,
                 _jobs.c.status == JobStatus.QUEUED.value,
+                _jobs.c.validator == DEFAULT_VALIDATOR,
                 checkpoints.c.report_index < report_index,
             )
             .order_by(_jobs.c.id)
@@ -231,23 +234,40 @@ def _due_pools(conn: Connection | Session, now: dt.datetime) -> list[str]:
     return [pool for pool, due in conn.execute(_DUE_POOLS, params) if due]
 
 
-def _lock_due_job_ids(conn: Connection, pool: str, now: dt.datetime, limit: int) -> list[int]:
+def _background_slots(limit: int, running: int) -> int:
+    """How many background jobs (revalidations over history) a pool may start now: they
+    leave one slot of a pool of two or more free for a live run's next validation."""
+    return max(0, limit - running - (1 if limit > 1 else 0))
+
+
+def _lock_due_job_ids(
+    conn: Connection, pool: str, now: dt.datetime, limit: int, background_limit: int
+) -> list[int]:
+    """The ids of up to ``limit`` due jobs of the pool, live runs' jobs first, at most
+    ``background_limit`` of them background jobs."""
     # FOR UPDATE SKIP LOCKED lets several schedulers claim from one PostgreSQL queue
     # without blocking on each other's rows. SQLite ignores it: there the whole
     # transaction holds the write lock (BEGIN IMMEDIATE, see _engine.py).
     query = (
-        select(_jobs.c.id)
+        select(_jobs.c.id, _jobs.c.background)
         .where(
             _jobs.c.status == JobStatus.QUEUED.value,
             _jobs.c.pool == pool,
             _jobs.c.not_before <= now,
         )
-        .order_by(_jobs.c.priority.desc(), _jobs.c.id.asc())
+        .order_by(_jobs.c.background.asc(), _jobs.c.priority.desc(), _jobs.c.id.asc())
         .limit(limit)
     )
     if conn.dialect.name == "postgresql":
         query = query.with_for_update(skip_locked=True)
-    return list(conn.execute(query).scalars())
+    ids = []
+    for job_id, background in conn.execute(query):
+        if background:
+            if background_limit <= 0:
+                break
+            background_limit -= 1
+        ids.append(job_id)
+    return ids
 
 
 # Called on every scheduler tick, so it must not read the whole queue: a loose index scan

@@ -111,6 +111,8 @@ class CheckpointRecord:
     # Filled in by the Registry's *_records methods (the plain best_checkpoints skips them).
     aliases: tuple[str, ...] = ()
     tags: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Validator name -> its metrics ("default": validated_metrics), where asked for.
+    evaluations: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +127,8 @@ class AttemptRecord:
     node_id: str | None
     worker_pid: int | None
     error_message: str | None
+    # What the attempt printed, when its validator kept it (a CommandValidator's program).
+    log: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +158,8 @@ class JobRecord:
     started_at: dt.datetime | None
     finished_at: dt.datetime | None
     attempt_history: tuple[AttemptRecord, ...] = ()
+    # The evaluation the job belongs to: "default" is report()'s own.
+    validator: str = "default"
 
 
 _R = TypeVar("_R")
@@ -228,3 +234,5 @@ class JobOutcome:
     worker_pid: int | None = None
     started_at: dt.datetime | None = None
     finished_at: dt.datetime | None = None
+    # What the attempt printed, when it kept it (a CommandValidator's program output).
+    log: str | None = None

@@ -11,7 +11,6 @@ dashboard's reads (``dashboard``, dashboard_reads.py).
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -21,16 +20,13 @@ from validation_service.config import Settings, get_settings
 from validation_service.errors import (
     InvalidInput,
     UnknownMetric,
-    ValidationsFailed,
-    ValidationsFailedWarning,
-    failed_validations_message,
 )
-from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus, RunStatus
+from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus, RunStatus
 from validation_service.metrics import lower_is_better
 from validation_service.names import check_name
 from validation_service.progress import ProgressRenderer
 from validation_service.registry import aliases as alias_store
-from validation_service.registry import retention, search, transitions
+from validation_service.registry import evaluations, retention, search, transitions, waiting
 from validation_service.registry.assemblies import Assemblies, AssemblyRecord
 from validation_service.registry.catalog import Catalog, Mode, check_run_name
 from validation_service.registry.dashboard_reads import DashboardReader
@@ -54,8 +50,6 @@ from validation_service.stopping import StopPolicy
 logger = logging.getLogger(__name__)
 
 RETRYABLE_STATUSES = (JobStatus.FAILED, JobStatus.TIMED_OUT, JobStatus.CANCELLED)
-# What wait() reports as failed validations (a CANCELLED job was stopped on purpose).
-FAILED_STATUSES = (JobStatus.FAILED, JobStatus.TIMED_OUT)
 
 
 class Registry:
@@ -162,7 +156,8 @@ class Registry:
         tags: dict[str, str] | None = None,
         attempt: int | None = None,
     ) -> list[CheckpointRecord]:
-        """The run's checkpoints in report order, with their aliases and tags.
+        """The run's checkpoints in report order, with their aliases, tags and the metrics
+        of every validator (``evaluations``: name -> metrics, "default" being report()'s).
 
         ``tags``: only those with every key = value; ``attempt``: of that attempt of
         the run (default: its latest).
@@ -171,7 +166,8 @@ class Registry:
             run, include_deleted=include_deleted, tags=tags, attempt=attempt
         )
         with self.db.read() as session:
-            return alias_store.with_aliases_and_tags(session, records)
+            records = alias_store.with_aliases_and_tags(session, records)
+            return evaluations.by_validator(session, records)
 
     @retry_on_disconnect
     def latest_checkpoint(self, run: str, *, attempt: int | None = None):
@@ -189,6 +185,7 @@ class Registry:
         *,
         tags: dict[str, str] | None = None,
         attempt: int | None = None,
+        validator: str = DEFAULT_VALIDATOR,
     ) -> list[tuple[Any, dict[str, Any]]]:
         """Top-k checkpoints by a metric: [(ray.train.Checkpoint, metrics), ...].
 
@@ -197,10 +194,11 @@ class Registry:
         go to the earlier report. ``run``: its latest attempt (or ``attempt``); None: every
         run of the namespace. ``tags``: only checkpoints with every key = value. ``mode``
         defaults to "max"; left out for a metric named like a loss or an error, it warns
-        that the highest values come first.
+        that the highest values come first. ``validator``: rank by that named evaluation's
+        values (see revalidate); the metrics returned are then that evaluation's.
         """
         validation.check_k(k)
-        records = self._best(run, metric, mode or "max", k, tags, attempt)
+        records = self._best(run, metric, mode or "max", k, tags, attempt, validator)
         if mode is None and records and lower_is_better(metric):
             warnings.warn(
                 f"best_checkpoints ranked {metric!r} with mode='max' (the default), but its "
@@ -209,6 +207,8 @@ class Registry:
                 UserWarning,
                 stacklevel=2,
             )
+        if validator != DEFAULT_VALIDATOR:
+            return [(self._ray_checkpoint(r), r.evaluations[validator]) for r in records]
         return [(self._ray_checkpoint(record), record.metrics) for record in records]
 
     @retry_on_disconnect
@@ -221,15 +221,18 @@ class Registry:
         *,
         tags: dict[str, str] | None = None,
         attempt: int | None = None,
+        validator: str = DEFAULT_VALIDATOR,
     ) -> list[CheckpointRecord]:
         """As best_checkpoints, as records with their aliases and tags."""
         validation.check_k(k)
-        records = self._best(run, metric, mode, k, tags, attempt)
+        records = self._best(run, metric, mode, k, tags, attempt, validator)
         with self.db.read() as session:
             return alias_store.with_aliases_and_tags(session, records)
 
     @retry_on_disconnect
-    def _best(self, run, metric, mode, k, tags, attempt) -> list[CheckpointRecord]:
+    def _best(self, run, metric, mode, k, tags, attempt, validator) -> list[CheckpointRecord]:
+        if validator != DEFAULT_VALIDATOR:
+            return evaluations.best_records(self, run, metric, mode, k, tags, attempt, validator)
         with self.db.read() as session:
             run_id = None if run is None else self.catalog.require_run_id(session, run, attempt)
             records = self.catalog.best(session, run_id, metric, mode, k, tags)
@@ -425,6 +428,48 @@ class Registry:
             records = search.search(session, self.namespace, filter, order_by, k)
             return alias_store.with_aliases_and_tags(session, records)
 
+    # ------------------------------------------------ evaluations over history
+    def revalidate(
+        self,
+        run_or_runs: str | Sequence[str] | Sequence[CheckpointRecord],
+        validate_fn: Any,
+        *,
+        validator: str,
+        validate_config: dict | None = None,
+        reports: Sequence[int] | None = None,
+        validation_resources: dict | None = None,
+        priority: int = 0,
+        force: bool = False,
+    ) -> list[int]:
+        """Queues ``validate_fn`` under the name ``validator`` for every stored checkpoint
+        of a run, of a list of runs, or of a search() result (only the report indices in
+        ``reports``, when given); returns the new job ids.
+
+        Its metrics are kept apart from the checkpoint's own (``checkpoints()`` groups
+        them by validator; ``best_checkpoints(..., validator=...)`` ranks by them). A
+        checkpoint with a QUEUED, RUNNING or SUCCEEDED job of ``validator`` gets none
+        unless ``force``; deleted checkpoints are skipped and named in a log warning.
+        The jobs run after the live runs' validations of their pool, ``priority``
+        ordering them among themselves. ``validate_fn``: a callable, a
+        "package.module:function" reference, or a CommandValidator.
+        """
+        request = evaluations.evaluation_request(
+            validate_fn, validate_config, validation_resources, validator, priority
+        )
+        done = evaluations.revalidate(self, run_or_runs, request, reports=reports, force=force)
+        if done.deleted:
+            logger.warning("revalidate %r skipped deleted checkpoints %s", validator, done.deleted)
+        return done.job_ids
+
+    def register(
+        self, run: str, uri: str, *, metrics: dict | None = None, step: int | None = None
+    ) -> int:
+        """Adds an existing checkpoint folder (a local path or any fsspec URI) to ``run``
+        without copying it, so that revalidate() can evaluate it like any other; returns
+        its report index. The run is made (FINISHED) if it does not exist. Retention and
+        ``ckval gc`` never delete such a folder."""
+        return evaluations.register(self, run, uri, metrics, step)
+
     def _ray_checkpoint(self, record: CheckpointRecord):
         from validation_service.storage import ray_checkpoint
 
@@ -486,38 +531,7 @@ class Registry:
         a ProgressRenderer). Validations that ended FAILED or TIMED_OUT are named in a
         ValidationsFailedWarning, or raised as ValidationsFailed with ``raise_on_failure``.
         """
-        deadline = time.monotonic() + timeout_s
-        renderer = ProgressRenderer() if progress is True else progress or None
-        with self.db.read() as session:
-            run_id = self.catalog.require_run_id(session, run)
-        try:
-            while True:
-                with self.db.read() as session:
-                    counts = self.queue.job_counts(session, run_id)
-                if renderer is not None:
-                    renderer.update(run, counts)
-                active = sum(counts.get(s.value, 0) for s in ACTIVE_JOB_STATUSES)
-                if not active:
-                    break
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"{active} validation(s) of run {run!r} still QUEUED or RUNNING after "
-                        f"{timeout_s:g}s. Is the service running? (`ckval status`)"
-                    )
-                time.sleep(poll_s)
-        finally:
-            if renderer is not None:
-                renderer.close()
-        if any(counts.get(s.value, 0) for s in FAILED_STATUSES):
-            failed = failed_jobs(self.validations(run))
-            if raise_on_failure:
-                raise ValidationsFailed(run, failed, sum(counts.values()))
-            warnings.warn(
-                ValidationsFailedWarning(
-                    failed_validations_message(run, failed, sum(counts.values()))
-                ),
-                stacklevel=2,
-            )
+        waiting.wait_for_run(self, run, timeout_s, poll_s, progress, raise_on_failure)
 
     def cancel_jobs(
         self, job_ids: Sequence[int] | None = None, *, run: str | None = None, reason: str = ""
@@ -578,15 +592,3 @@ def _with_status(runs: list[RunRecord], status: RunStatus | str | None) -> list[
         known = ", ".join(s.value for s in RunStatus)
         raise InvalidInput(f"run status must be one of {known}, got {status!r}") from None
     return [run for run in runs if run.status == wanted]
-
-
-def failed_jobs(jobs: Iterable[JobRecord]) -> dict[int, str]:
-    """Job id -> "STATUS: error" for the jobs that ended FAILED or TIMED_OUT."""
-    failed = {}
-    for job in jobs:
-        if job.status in {s.value for s in FAILED_STATUSES}:
-            error = f"{job.error_type or 'error'}: {job.error_message or 'no message'}"
-            first_line = error.strip().splitlines()[0]
-            reason = f"report {job.report_index}, {job.status}, {first_line}"
-            failed[job.id] = reason if len(reason) <= 160 else reason[:157] + "..."
-    return failed

@@ -90,7 +90,12 @@ def candidates(
     query = (
         select(Checkpoint, Run.name, Run.attempt, Run.storage_root)
         .join(Run, Run.id == Checkpoint.run_id)
-        .where(Run.namespace == namespace, Checkpoint.deleted_at.is_(None))
+        .where(
+            Run.namespace == namespace,
+            Checkpoint.deleted_at.is_(None),
+            # A folder added by register() is not ckval's to delete, whatever the rule.
+            Checkpoint.external.is_(False),
+        )
     )
     if run is not None:
         query = query.where(Run.name == run)

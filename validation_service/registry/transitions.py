@@ -25,6 +25,7 @@ from sqlalchemy.engine import Connection, Row
 
 from validation_service.jobs import (
     ACTIVE_JOB_STATUSES,
+    DEFAULT_VALIDATOR,
     JOB_TO_VALIDATION_STATUS,
     JobStatus,
     ValidationStatus,
@@ -183,18 +184,19 @@ def running_job(conn: Connection, job_id: int, lease_token: int) -> Row | None:
     ).one_or_none()
 
 
-def succeeded_run_id(conn: Connection, job_id: int, lease_token: int) -> int | None:
-    """The job's run id when the attempt of this lease token is recorded SUCCEEDED: only
-    that token's own finish writes it, so a retried finish that finds it had committed."""
+def succeeded_job(conn: Connection, job_id: int, lease_token: int) -> Row | None:
+    """The job's (run_id, validator) when the attempt of this lease token is recorded
+    SUCCEEDED: only that token's own finish writes it, so a retried finish that finds it
+    had committed."""
     return conn.execute(
-        select(_jobs.c.run_id)
+        select(_jobs.c.run_id, _jobs.c.validator)
         .join(_attempts, _attempts.c.job_id == _jobs.c.id)
         .where(
             _jobs.c.id == job_id,
             _attempts.c.lease_token == lease_token,
             _attempts.c.status == JobStatus.SUCCEEDED.value,
         )
-    ).scalar_one_or_none()
+    ).one_or_none()
 
 
 def finish(
@@ -227,9 +229,10 @@ def finish(
     values.update(_NO_LEASE, b_job_id=job.id, status=status.value, updated_at=now)
     values["finished_at"] = now if status.is_terminal else None
     conn.execute(_UPDATE_JOB, values)
-    checkpoint_values = {**(checkpoint_columns or {}), "b_checkpoint_id": job.checkpoint_id}
-    checkpoint_values["validation_status"] = JOB_TO_VALIDATION_STATUS[status].value
-    conn.execute(_UPDATE_CHECKPOINT, checkpoint_values)
+    if job.validator == DEFAULT_VALIDATOR:  # a named evaluation leaves the checkpoint be
+        checkpoint_values = {**(checkpoint_columns or {}), "b_checkpoint_id": job.checkpoint_id}
+        checkpoint_values["validation_status"] = JOB_TO_VALIDATION_STATUS[status].value
+        conn.execute(_UPDATE_CHECKPOINT, checkpoint_values)
     conn.execute(
         _UPDATE_ATTEMPT,
         {
@@ -242,6 +245,7 @@ def finish(
             "started_at": outcome.started_at,
             "finished_at": outcome.finished_at or now,
             "error_message": None if outcome.succeeded else outcome.error_message,
+            "log": outcome.log,
         },
     )
 
@@ -277,7 +281,7 @@ def expire(
     if not changed:
         return False
     _close_attempts(conn, [job], JobStatus.FAILED, message, now)
-    _mirror(conn, [job.checkpoint_id], status)
+    _mirror(conn, [job], status)
     return True
 
 
@@ -306,7 +310,7 @@ def cancel(
     cancelled = _move(conn, jobs, "cancel", values)
     running = [job for job in cancelled if job.status == JobStatus.RUNNING.value]
     _close_attempts(conn, running, JobStatus.CANCELLED, message, now)
-    _mirror(conn, [job.checkpoint_id for job in cancelled], JobStatus.CANCELLED)
+    _mirror(conn, cancelled, JobStatus.CANCELLED)
     if running:
         wake_replicas(conn)
     return [job.id for job in cancelled]
@@ -332,7 +336,7 @@ def retry(
         "updated_at": now,
     }
     requeued = _move(conn, jobs, "retry", values)
-    _mirror(conn, [job.checkpoint_id for job in requeued], JobStatus.QUEUED)
+    _mirror(conn, requeued, JobStatus.QUEUED)
     if requeued:
         wake_replicas(conn)
     return [job.id for job in requeued]
@@ -379,11 +383,15 @@ def _close_attempts(
         )
 
 
-def _mirror(conn: Connection, checkpoint_ids: Sequence[int], status: JobStatus) -> None:
-    """The checkpoint's validation_status follows its job's status."""
+def _mirror(conn: Connection, jobs: Sequence[Row], status: JobStatus) -> None:
+    """The checkpoint's validation_status follows its report()'s job's status (the jobs
+    of named evaluations over history leave it as it is)."""
+    checkpoint_ids = [job.checkpoint_id for job in jobs if job.validator == DEFAULT_VALIDATOR]
+    if not checkpoint_ids:
+        return
     conn.execute(
         update(_checkpoints)
-        .where(_checkpoints.c.id.in_(list(checkpoint_ids)))
+        .where(_checkpoints.c.id.in_(checkpoint_ids))
         .values(validation_status=JOB_TO_VALIDATION_STATUS[status].value)
     )
 
@@ -401,6 +409,7 @@ _RUNNING_JOB_TO_FINISH = (
         _jobs.c.attempts_before_retry,
         _jobs.c.max_attempts,
         _jobs.c.retry_on_timeout,
+        _jobs.c.validator,
         _checkpoints.c.reported_metrics,
         _checkpoints.c.deleted_at,
     )
@@ -441,7 +450,13 @@ _CLAIM_JOBS = (
 )
 _SET_CLAIMED_CHECKPOINTS_RUNNING = (
     update(_checkpoints)
-    .where(_checkpoints.c.id.in_(select(_jobs.c.checkpoint_id).where(_CLAIMED_IDS)))
+    .where(
+        _checkpoints.c.id.in_(
+            select(_jobs.c.checkpoint_id).where(
+                _CLAIMED_IDS, _jobs.c.validator == DEFAULT_VALIDATOR
+            )
+        )
+    )
     .values(validation_status=ValidationStatus.RUNNING.value)
 )
 _runs = Run.__table__
