@@ -90,9 +90,12 @@ class Ranking:
     metric: str = Query(..., description="Metric to rank by.")
     mode: Literal["max", "min"] = Query("max", description="Higher or lower is better.")
     k: int = Query(1, ge=1, le=MAX_K, description=f"How many checkpoints (at most {MAX_K}).")
+    validator: str = Query("default", description="Rank by this named evaluation's values.")
 
     def best(self, registry: Registry, run: str | None) -> list[dict[str, Any]]:
-        records = registry.best_checkpoint_records(run, self.metric, self.mode, self.k)
+        records = registry.best_checkpoint_records(
+            run, self.metric, self.mode, self.k, validator=self.validator
+        )
         return [checkpoint_json(record) for record in records]
 
 

@@ -68,6 +68,26 @@ class RunEnd(BaseModel):
     status: Literal["FINISHED", "FAILED"]
 
 
+class Command(BaseModel):
+    """An outside program as the validator (CommandValidator)."""
+
+    argv: list[str] = Field(..., min_length=1, max_length=256)
+    timeout_s: float | None = Field(None, gt=0, le=7 * 24 * 3600)
+
+
+class RevalidateBody(BaseModel):
+    """POST /runs/{run}/revalidate: a named evaluation over the run's stored checkpoints.
+    One of ``validate_fn`` (a "package.module:function" reference) or ``command``."""
+
+    validator: str = Field(..., max_length=128)
+    validate_fn: str | None = Field(None, max_length=512)
+    command: Command | None = None
+    validate_config: dict[str, Any] | None = None
+    reports: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(None, max_length=10_000)
+    priority: int = Field(0, ge=-(2**31), le=INT32_MAX)
+    force: bool = False
+
+
 def _json(content: Any, status_code: int = 200) -> Response:
     # NaN and infinite metric values as the strings "NaN", "Infinity" (plain JSON has none).
     body = json.dumps(encode_non_finite(content), allow_nan=False, default=str)
@@ -96,13 +116,15 @@ def attempt_json(run: RunRecord) -> dict[str, Any]:
 def registry_router(registry: Registry, settings: Settings) -> APIRouter:
     """Routes: /runs/{run}/aliases..., /runs/{run}/checkpoints/{i}/tags/{key}, /search,
     /retention (dry run: what would be deleted), /runs/{run}/status, /runs/{run}/finish,
-    /runs/{run}/stop-policy, /runs/{run}/stop-decision and /runs/{run}/resume-despite-stop."""
+    /runs/{run}/stop-policy, /runs/{run}/stop-decision, /runs/{run}/resume-despite-stop and
+    /runs/{run}/revalidate."""
     router = APIRouter()
     _alias_routes(router, registry)
     _tag_routes(router, registry)
     _query_routes(router, registry)
     _run_status_routes(router, registry)
     _stop_routes(router, registry)
+    _evaluation_routes(router, registry, settings)
     return router
 
 
@@ -242,3 +264,45 @@ def _stop_routes(router: APIRouter, registry: Registry) -> None:
         """Overrides the run's stop decision (recorded); 422 when the run is not stopped."""
         decision = registry.resume_despite_stop(run)
         return _json({"run": run, "decision": stop_decision_json(decision)})
+
+
+def _evaluation_routes(router: APIRouter, registry: Registry, settings: Settings) -> None:
+    @router.post("/runs/{run}/revalidate")
+    @_answers_errors
+    def revalidate(run: str, body: RevalidateBody) -> Response:
+        """Queues a named evaluation; only references inside CKVAL_ALLOWED_MODULES (a
+        command: when it names validation_service.validators.command)."""
+        from validation_service.registry import evaluations
+        from validation_service.validate_fn import check_module_allowed
+        from validation_service.validators.command import REFERENCE, CommandValidator
+
+        if (body.validate_fn is None) == (body.command is None):
+            raise InvalidInput("give one of validate_fn (a module:function reference) or command")
+        if not settings.allowed_modules:
+            return _json(
+                {
+                    "error": "Forbidden",
+                    "detail": "revalidation over HTTP runs only references inside "
+                    "CKVAL_ALLOWED_MODULES, and none is set: set it on the API's host "
+                    "(add validation_service.validators.command to allow commands), or "
+                    "use `ckval revalidate` or Registry.revalidate.",
+                },
+                403,
+            )
+        check_module_allowed(body.validate_fn or REFERENCE, settings.allowed_modules)
+        validate_fn: Any = body.validate_fn
+        if body.command is not None:
+            validate_fn = CommandValidator(body.command.argv, timeout_s=body.command.timeout_s)
+        request = evaluations.evaluation_request(
+            validate_fn, body.validate_config, None, body.validator, body.priority
+        )
+        done = evaluations.revalidate(
+            registry, run, request, reports=body.reports, force=body.force
+        )
+        return _json(
+            {
+                "job_ids": done.job_ids,
+                "already": [index for _run, index in done.already],
+                "deleted": [index for _run, index in done.deleted],
+            }
+        )

@@ -5,8 +5,8 @@ registry listings start fast: every command imports what it uses (SQLAlchemy for
 registry, Ray only to reach the service); the listings (runs, checkpoints, best, jobs)
 read an embedded SQLite registry with sqlite3 alone (registry/_fast_read.py). The
 commands live in their modules (cli_listings, cli_jobs, cli_service, cli_registry,
-cli_stopping, cli_db, dashboard/cli) and join here with ``main.add_command(command)``,
-following the same rule.
+cli_stopping, cli_evaluations, cli_db, dashboard/cli) and join here with
+``main.add_command(command)``, following the same rule.
 """
 
 from __future__ import annotations
@@ -16,7 +16,14 @@ from typing import Any
 
 import click
 
-from validation_service import cli_jobs, cli_listings, cli_registry, cli_service, cli_stopping
+from validation_service import (
+    cli_evaluations,
+    cli_jobs,
+    cli_listings,
+    cli_registry,
+    cli_service,
+    cli_stopping,
+)
 from validation_service._format import echo
 from validation_service.cli_common import EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE
 from validation_service.cli_db import db
@@ -89,6 +96,7 @@ for _command in (
     *cli_service.COMMANDS,
     *cli_registry.COMMANDS,
     *cli_stopping.COMMANDS,
+    *cli_evaluations.COMMANDS,
     db,
     ui_command,
 ):

@@ -230,13 +230,17 @@ def _missing_service_note(settings: Settings) -> str | None:
 @click.command()
 @click.argument("job_id", type=int)
 @json_option
+@click.option("--log", "show_log", is_flag=True, help="Print what each attempt kept as its log.")
 @click.pass_context
-def job(ctx: click.Context, job_id: int, as_json: bool) -> None:
+def job(ctx: click.Context, job_id: int, as_json: bool, show_log: bool) -> None:
     """Show one validation job, its attempts and its stored traceback."""
     from validation_service._format import format_value, short_node_id
 
     registry = registry_of(ctx)
     record = registry.get_job(job_id, namespace=registry.namespace)
+    if show_log and not as_json:
+        _echo_logs(record)
+        return
     if as_json:
         from validation_service.views import job_json
 
@@ -246,6 +250,7 @@ def job(ctx: click.Context, job_id: int, as_json: bool) -> None:
         "id": record.id,
         "run": record.run,
         "report_index": record.report_index,
+        "validator": record.validator,
         "status": record.status,
         "attempts": f"{record.attempts}/{record.max_attempts}",
         "pool": record.pool,
@@ -278,6 +283,19 @@ def job(ctx: click.Context, job_id: int, as_json: bool) -> None:
     echo(render_table(["attempt", "status", "node", "pid", "started", "finished", "error"], rows))
     if record.error_traceback:
         echo("\ntraceback:\n" + record.error_traceback)
+
+
+def _echo_logs(record) -> None:
+    """Each attempt's kept output (a CommandValidator's program's stdout and stderr)."""
+    kept = [a for a in record.attempt_history if a.log]
+    if not kept:
+        echo(
+            f"job {record.id} kept no log: only validators that keep their output (such as "
+            "CommandValidator) store one; see `ckval job N` for its error and traceback."
+        )
+    for attempt in kept:
+        echo(f"=== attempt {attempt.attempt} ({attempt.status}) ===")
+        echo(attempt.log.rstrip("\n"))
 
 
 @click.command()

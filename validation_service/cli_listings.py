@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING
 import click
 
 from validation_service._format import echo
-from validation_service.cli_common import echo_json, json_option, listing, render_table
+from validation_service.cli_common import (
+    echo_json,
+    json_option,
+    listing,
+    registry_of,
+    render_table,
+)
 from validation_service.cli_registry import run_rows, status_option
 
 if TYPE_CHECKING:
@@ -32,17 +38,27 @@ def runs(ctx: click.Context, status: str | None, as_json: bool) -> None:
     echo(render_table(headers, rows))
 
 
+validator_option = click.option(
+    "--validator",
+    default=None,
+    metavar="NAME",
+    help="Show (rank by) the metrics of this named evaluation (`ckval revalidate`); "
+    "default: report()'s own, merged with the reported metrics.",
+)
+
+
 @click.command()
 @click.argument("run")
+@validator_option
 @json_option
 @click.pass_context
-def checkpoints(ctx: click.Context, run: str, as_json: bool) -> None:
-    """List the checkpoints of RUN with their merged metrics."""
+def checkpoints(ctx: click.Context, run: str, validator: str | None, as_json: bool) -> None:
+    """List the checkpoints of RUN with their merged metrics (or one validator's)."""
     records = listing(ctx, "checkpoints", run)
     if as_json:
         _echo_checkpoints_json(records)
         return
-    echo(_checkpoint_table(records))
+    echo(_checkpoint_table(records, validator=validator))
 
 
 @click.command()
@@ -55,15 +71,27 @@ def checkpoints(ctx: click.Context, run: str, as_json: bool) -> None:
     help="max: highest first; min: lowest first (a loss or an error).  [default: max]",
 )
 @click.option("-k", "k", default=1, show_default=True, type=click.IntRange(min=1))
+@validator_option
 @json_option
 @click.pass_context
 def best(
-    ctx: click.Context, run: str | None, metric: str, mode: str | None, k: int, as_json: bool
+    ctx: click.Context,
+    run: str | None,
+    metric: str,
+    mode: str | None,
+    k: int,
+    validator: str | None,
+    as_json: bool,
 ) -> None:
     """The best K checkpoints of RUN (of all runs when RUN is left out) by a metric."""
     from validation_service.metrics import lower_is_better
 
-    records = listing(ctx, "best_checkpoint_records", run, metric, mode or "max", k)
+    if validator is None:
+        records = listing(ctx, "best_checkpoint_records", run, metric, mode or "max", k)
+    else:
+        records = registry_of(ctx).best_checkpoint_records(
+            run, metric, mode or "max", k, validator=validator
+        )
     if mode is None and lower_is_better(metric):
         echo(
             f"warning: --mode defaulted to max, so the highest {metric!r} comes first, but "
@@ -74,8 +102,9 @@ def best(
     if as_json:
         _echo_checkpoints_json(records)
         return
-    others = [m for m in _metric_columns(records) if m != metric]
-    echo(_checkpoint_table(records, [metric, *others][:6], with_run=run is None))
+    others = [m for m in _metric_columns(records, validator) if m != metric]
+    table = _checkpoint_table(records, [metric, *others][:6], run is None, validator)
+    echo(table)
 
 
 def _echo_checkpoints_json(records: Sequence[CheckpointRecord]) -> None:
@@ -84,21 +113,31 @@ def _echo_checkpoints_json(records: Sequence[CheckpointRecord]) -> None:
     echo_json([checkpoint_json(record) for record in records])
 
 
-def _metric_columns(records: Sequence[CheckpointRecord], limit: int = 6) -> list[str]:
+def _shown_metrics(record: CheckpointRecord, validator: str | None) -> dict:
+    """The record's merged metrics, or ``validator``'s (empty where it has none)."""
+    return record.metrics if validator is None else record.evaluations.get(validator, {})
+
+
+def _metric_columns(
+    records: Sequence[CheckpointRecord], validator: str | None = None, limit: int = 6
+) -> list[str]:
     names: list[str] = []
     for record in records:
-        for name in record.metrics:
+        for name in _shown_metrics(record, validator):
             if name not in names:
                 names.append(name)
     return names[:limit]
 
 
 def _checkpoint_table(
-    records: Sequence[CheckpointRecord], metrics: list[str] | None = None, with_run: bool = False
+    records: Sequence[CheckpointRecord],
+    metrics: list[str] | None = None,
+    with_run: bool = False,
+    validator: str | None = None,
 ) -> str:
     from validation_service._format import format_size
 
-    metrics = metrics or _metric_columns(records)
+    metrics = metrics or _metric_columns(records, validator)
     headers = ["#", *(["run"] if with_run else []), "report", "validation", *metrics, "size", "uri"]
     rows = [
         [
@@ -106,7 +145,7 @@ def _checkpoint_table(
             *([r.run] if with_run else []),
             r.report_index,
             r.validation_status,
-            *[r.metrics.get(m) for m in metrics],
+            *[_shown_metrics(r, validator).get(m) for m in metrics],
             format_size(r.size_bytes),
             r.uri,
         ]

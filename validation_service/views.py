@@ -112,11 +112,15 @@ def stop_decision_json(decision: StopDecision | None) -> dict[str, Any] | None:
 
 
 def checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
-    return _pick(
+    """The checkpoint; with ``evaluations`` (validator -> metrics) where they were read."""
+    found = _pick(
         record,
         "id run report_index step epoch uri size_bytes manifest_sha256 validation_status "
         "metrics reported_metrics validated_metrics created_at",
     )
+    if record.evaluations:
+        found["evaluations"] = record.evaluations
+    return found
 
 
 def labelled_checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
@@ -133,7 +137,7 @@ def labelled_checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
 def attempt_json(attempt: AttemptRecord) -> dict[str, Any]:
     return _pick(
         attempt,
-        "attempt status lease_owner node_id worker_pid claimed_at started_at finished_at error",
+        "attempt status lease_owner node_id worker_pid claimed_at started_at finished_at error log",
         error="error_message",
     )
 
@@ -142,7 +146,8 @@ def job_json(job: JobRecord) -> dict[str, Any]:
     return {
         **_pick(
             job,
-            "id run checkpoint_id report_index status attempt_count max_attempts priority pool "
+            "id run checkpoint_id report_index validator status attempt_count max_attempts "
+            "priority pool "
             "resources executor_kind validate_fn_name timeout_s not_before lease_owner "
             "lease_expires_at result_metrics error_type error_message error_traceback "
             "created_at started_at finished_at",

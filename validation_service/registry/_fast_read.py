@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import quote
 
 from validation_service import _home
-from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus, RunStatus
+from validation_service.jobs import ACTIVE_JOB_STATUSES, DEFAULT_VALIDATOR, JobStatus, RunStatus
 from validation_service.metrics import decode_non_finite
 from validation_service.names import is_safe_name
 from validation_service.registry import _fast_sql
@@ -47,6 +47,7 @@ from validation_service.registry.records import (
     RunRecord,
     RunSummary,
     StopDecision,
+    with_evaluations,
 )
 
 FAST_READ_VAR = "CKVAL_CLI_FAST_READ"
@@ -242,12 +243,12 @@ class FastReader:
     # ------------------------------------------------------------ checkpoints
     def checkpoints(self, run: str) -> list[CheckpointRecord]:
         """As Registry.checkpoints(run): the latest attempt's live checkpoints in report
-        order, with their aliases and tags."""
+        order, with their aliases, tags and every validator's metrics."""
         with self._snapshot() as db:
             run_id = self._require_run_id(db, run)
             rows = _named_rows(db.execute(_fast_sql.LIVE_CHECKPOINTS, (run_id,)))
             records = [_checkpoint_record(row, run) for row in rows]
-            return _with_aliases_and_tags(db, records)
+            return _with_evaluations(db, _with_aliases_and_tags(db, records))
 
     def best_checkpoint_records(
         self, run: str | None, metric: str, mode: str = "max", k: int = 1
@@ -518,3 +519,19 @@ def _with_aliases_and_tags(
         )
         for record in records
     ]
+
+
+def _with_evaluations(
+    db: sqlite3.Connection, records: list[CheckpointRecord]
+) -> list[CheckpointRecord]:
+    """As evaluations.by_validator: each named validator's latest SUCCEEDED metrics."""
+    found: dict[int, dict[str, Any]] = {}
+    ids = [record.id for record in records]
+    for start in range(0, len(ids), IDS_PER_IN_LIST):
+        chunk = ids[start : start + IDS_PER_IN_LIST]
+        statement = _in_list(_fast_sql.CHECKPOINT_EVALUATIONS, "ids", chunk)
+        for checkpoint_id, validator, metrics in db.execute(
+            statement, (*chunk, DEFAULT_VALIDATOR, JobStatus.SUCCEEDED.value)
+        ):
+            found.setdefault(checkpoint_id, {})[validator] = _json(metrics) or {}
+    return [with_evaluations(record, found.get(record.id, {})) for record in records]

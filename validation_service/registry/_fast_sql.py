@@ -104,6 +104,14 @@ CHECKPOINT_TAGS = (
     "WHERE checkpoint_tags.checkpoint_id IN (__[POSTCOMPILE_ids]) ORDER BY "
     'checkpoint_tags."key"'
 )
+CHECKPOINT_EVALUATIONS = (
+    "SELECT validation_jobs.checkpoint_id, validation_jobs.validator, "
+    "validation_jobs.result_metrics \n"
+    "FROM validation_jobs \n"
+    "WHERE validation_jobs.checkpoint_id IN (__[POSTCOMPILE_ids]) AND "
+    "validation_jobs.validator != ? AND validation_jobs.status = ? ORDER BY "
+    "validation_jobs.id"
+)
 BEST_MAX = _BEST_MAX_HEAD + (
     "WHERE metric_values.name = ? AND metric_values.effective = 1 AND runs.namespace "
     "= ? ORDER BY metric_values.value DESC, metric_values.checkpoint_id ASC\n"

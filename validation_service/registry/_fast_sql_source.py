@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import bindparam
 from sqlalchemy.dialects import sqlite
 
-from validation_service.registry import aliases, queue, stopping
+from validation_service.registry import aliases, evaluations, queue, stopping
 from validation_service.registry._fast_sql_names import jobs_statement
 from validation_service.registry._migrate import VERSIONS_QUERY
 from validation_service.registry.catalog import Catalog, _best_query, checkpoints_query
@@ -54,6 +54,8 @@ def statements() -> dict[str, str]:
         # the checkpoint ids
         "CHECKPOINT_ALIASES": aliases.aliases_query(ids),
         "CHECKPOINT_TAGS": aliases.tags_query(ids),
+        # the checkpoint ids, "default", "SUCCEEDED"
+        "CHECKPOINT_EVALUATIONS": evaluations.evaluations_query(ids),
         # metric, namespace, [run id], k, 0
         "BEST_MAX": _best_query("max", False),
         "BEST_MAX_OF_RUN": _best_query("max", True),

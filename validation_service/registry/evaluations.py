@@ -34,7 +34,7 @@ from validation_service.registry.models import (
     ValidationJob,
     utcnow,
 )
-from validation_service.registry.records import CheckpointRecord
+from validation_service.registry.records import CheckpointRecord, with_evaluations
 from validation_service.registry.wakeups import wake_replicas
 from validation_service.request import ValidationRequest
 from validation_service.signing import PayloadTrust, job_binding
@@ -181,35 +181,31 @@ def store_results(conn: Connection, job: Row, metrics: dict[str, Any]) -> None:
         conn.execute(insert(_values), rows)
 
 
+def evaluations_query(checkpoint_ids: Any):
+    """(checkpoint id, validator, metrics) of the named evaluations' SUCCEEDED jobs of
+    these checkpoints, oldest first (the CLI's fast read runs it too)."""
+    return (
+        select(_jobs.c.checkpoint_id, _jobs.c.validator, _jobs.c.result_metrics)
+        .where(
+            _jobs.c.checkpoint_id.in_(checkpoint_ids),
+            _jobs.c.validator != DEFAULT_VALIDATOR,
+            _jobs.c.status == JobStatus.SUCCEEDED.value,
+        )
+        .order_by(_jobs.c.id)
+    )
+
+
 def by_validator(session: Session, records: list[CheckpointRecord]) -> list[CheckpointRecord]:
     """The records with ``evaluations`` filled: validator -> its metrics, "default" being
     the validated metrics of report()'s own validation, the others each validator's
     latest SUCCEEDED job."""
-    if not records:
-        return records
     found: dict[int, dict[str, dict[str, Any]]] = {}
     ids = [record.id for record in records]
     for start in range(0, len(ids), IDS_PER_IN_LIST):
-        query = (
-            select(_jobs.c.checkpoint_id, _jobs.c.validator, _jobs.c.result_metrics)
-            .where(
-                _jobs.c.checkpoint_id.in_(ids[start : start + IDS_PER_IN_LIST]),
-                _jobs.c.validator != DEFAULT_VALIDATOR,
-                _jobs.c.status == JobStatus.SUCCEEDED.value,
-            )
-            .order_by(_jobs.c.id)
-        )
+        query = evaluations_query(ids[start : start + IDS_PER_IN_LIST])
         for checkpoint_id, validator, metrics in session.execute(query):
             found.setdefault(checkpoint_id, {})[validator] = metrics or {}
-    return [_with_evaluations(record, found.get(record.id, {})) for record in records]
-
-
-def _with_evaluations(record: CheckpointRecord, named: dict[str, dict]) -> CheckpointRecord:
-    evaluations = {}
-    if record.validated_metrics is not None:
-        evaluations[DEFAULT_VALIDATOR] = record.validated_metrics
-    evaluations.update(sorted(named.items()))
-    return dataclasses.replace(record, evaluations=evaluations)
+    return [with_evaluations(record, found.get(record.id, {})) for record in records]
 
 
 def best(

@@ -115,6 +115,18 @@ class CheckpointRecord:
     evaluations: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
+def with_evaluations(
+    record: CheckpointRecord, named: dict[str, dict[str, Any]]
+) -> CheckpointRecord:
+    """The record with ``evaluations``: "default" (its validated metrics, when validated)
+    and each named validator's metrics (``named``), in name order."""
+    evaluations = {}
+    if record.validated_metrics is not None:
+        evaluations["default"] = record.validated_metrics
+    evaluations.update(sorted(named.items()))
+    return dataclasses.replace(record, evaluations=evaluations)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttemptRecord:
     attempt: int
