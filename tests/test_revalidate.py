@@ -277,3 +277,23 @@ def test_register_refuses_what_is_no_folder(reg, tmp_path, unique_run):
     with pytest.raises(CheckpointNotFound, match="a file, not a folder"):
         reg.register(unique_run, str(tmp_path / "file.bin"))
     assert reg.find_run_id(unique_run) is None  # nothing written
+
+
+def test_the_queue_hands_out_live_jobs_first_and_keeps_a_slot_for_them(
+    reg, settings, tmp_path, unique_run
+):
+    reported_run(tmp_path, settings, reg, unique_run)
+    backlog = reg.revalidate(unique_run, read_value, validator="v2")  # 5 background jobs
+    with Client(unique_run + "-live", settings, start_service=False) as client:
+        folder = tmp_path / "live"
+        folder.mkdir()
+        (folder / "value.json").write_text(json.dumps({"value": 0.4}))
+        client.report({"step": 0}, Checkpoint.from_directory(str(folder)), validate_fn=read_value)
+    [live] = reg.validations(unique_run + "-live")
+
+    claimed = reg.job_queue.claim_due_jobs("test", {"CPU": 4}, lease_s=60)
+
+    # The live run's job first; background ones leave one of the 4 slots free.
+    assert [c.job_id for c in claimed] == [live.id, *backlog[:2]]
+    assert reg.job_queue.claim_due_jobs("test", {"CPU": 4}, lease_s=60) == []
+    assert [c.job_id for c in reg.job_queue.claim_due_jobs("test", {"CPU": 1}, lease_s=60)] == []

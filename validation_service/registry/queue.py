@@ -235,16 +235,17 @@ def _due_pools(conn: Connection | Session, now: dt.datetime) -> list[str]:
 
 
 def _background_slots(limit: int, running: int) -> int:
-    """How many background jobs (revalidations over history) a pool may start now: they
-    leave one slot of a pool of two or more free for a live run's next validation."""
+    """How many of a pool's slots may hold jobs when background jobs (revalidations over
+    history) are started: they leave one slot of a pool of two or more free for a live
+    run's next validation."""
     return max(0, limit - running - (1 if limit > 1 else 0))
 
 
 def _lock_due_job_ids(
     conn: Connection, pool: str, now: dt.datetime, limit: int, background_limit: int
 ) -> list[int]:
-    """The ids of up to ``limit`` due jobs of the pool, live runs' jobs first, at most
-    ``background_limit`` of them background jobs."""
+    """The ids of up to ``limit`` due jobs of the pool, live runs' jobs first; background
+    jobs only while fewer than ``background_limit`` jobs are taken."""
     # FOR UPDATE SKIP LOCKED lets several schedulers claim from one PostgreSQL queue
     # without blocking on each other's rows. SQLite ignores it: there the whole
     # transaction holds the write lock (BEGIN IMMEDIATE, see _engine.py).
@@ -260,12 +261,10 @@ def _lock_due_job_ids(
     )
     if conn.dialect.name == "postgresql":
         query = query.with_for_update(skip_locked=True)
-    ids = []
+    ids: list[int] = []
     for job_id, background in conn.execute(query):
-        if background:
-            if background_limit <= 0:
-                break
-            background_limit -= 1
+        if background and len(ids) >= background_limit:
+            break  # live jobs come first: only background ones are left
         ids.append(job_id)
     return ids
 

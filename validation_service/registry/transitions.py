@@ -487,6 +487,6 @@ _CLAIMED_JOBS = (
     .join(_checkpoints, _checkpoints.c.id == _jobs.c.checkpoint_id)
     .join(_runs, _runs.c.id == _checkpoints.c.run_id)
     .where(_CLAIMED_IDS)
-    .order_by(_jobs.c.priority.desc(), _jobs.c.id.asc())
+    .order_by(_jobs.c.background.asc(), _jobs.c.priority.desc(), _jobs.c.id.asc())
 )
 _INSERT_ATTEMPT = insert(_attempts)
