@@ -68,16 +68,17 @@ are listed there)::
 Smoke test (CI, a couple of minutes)::
 
     .venv/bin/python benchmarks/bench_async_validation.py --smoke
+
+The rows, the tables and their checks are in ``_async_results.py``, the command line in
+``_async_options.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -86,16 +87,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _async_options import SCENARIOS, parse_args
+from _async_results import (
+    WayResult,
+    check_results,
+    ckval_latency,
+    median_result,
+    render_markdown,
+    way_result,
+)
 from _common import fresh_ckval_home, load_average, pickle_by_value, run_description
 from torch import nn
 
 from validation_service._ray_compat import native_validation
 from validation_service.demo import load_digits_split, make_model
 
-WAYS = ("inline", "native", "native-sync", "ckval", "ckval-async")
-# ckval's ways and the native way each is held against: Ray's guide calls ASYNC.
-COMPARED = {"ckval": "native", "ckval-async": "native"}
-SCENARIOS = {"backlog": 0.5, "no-backlog": 3.0}  # checkpoint interval / validation time
 SEED = 0
 LR = 0.1
 BATCH_SIZE = 32
@@ -285,38 +291,6 @@ def _report(config: dict, rank: int, model: nn.Module, metrics: dict, timings: d
 
 # -------------------------------------------------------------------------------- runs
 @dataclasses.dataclass
-class WayResult:
-    scenario: str
-    way: str
-    checkpoints: int
-    steps_per_checkpoint: int
-    e2e_s: float
-    report_blocked_s: float
-    inline_validation_s: float
-    final_wait_s: float
-    until_fit_s: float
-    total_validation_s: float
-    validations: int
-    best_accuracy: float
-    mean_train_interval_s: float
-    first_report_blocked_s: float = 0.0
-    later_report_median_s: float = 0.0  # the median report() after the first
-    load_1min: float = 0.0  # the machine's 1-minute load average when the run ended
-    checkpoint_mb: float = 0.0
-    runs: int = 1
-    detail: str = ""
-
-    @property
-    def blocked_per_report_s(self) -> float:
-        return self.report_blocked_s / max(self.checkpoints, 1)
-
-    @property
-    def blocking_s(self) -> float:
-        """Time the run was held up by validation (Ray's release-test definition)."""
-        return self.report_blocked_s + self.inline_validation_s + self.final_wait_s
-
-
-@dataclasses.dataclass
 class Bench:
     """What every run shares: where files go, the calibrated workload, the service."""
 
@@ -397,34 +371,11 @@ def run_ckval(
     # validate_fn's.
     jobs = [j for j in registry.validations(run) if j.finished_at is not None]
     available = max((j.finished_at.timestamp() for j in jobs), default=ended)
-    result = _way_result(
+    result = way_result(
         scenario, way, checkpoints, steps, started, ended, timings, validated, available
     )
     result.detail = ckval_latency(registry.validations(run))
     return result
-
-
-def ckval_latency(jobs) -> str:
-    """Where ckval's validation time went, per job: queued, task start, attempt running."""
-
-    def mean(deltas) -> float:
-        seconds = [d.total_seconds() for d in deltas]
-        return sum(seconds) / max(len(seconds), 1)
-
-    for job in jobs:
-        if job.status != "SUCCEEDED":
-            print(f"  ckval job {job.report_index}: {job.status} {job.error_message}")
-    done = [(job, job.attempt_history[-1]) for job in jobs if job.status == "SUCCEEDED"]
-    done = [(j, a) for j, a in done if a.started_at and a.finished_at and j.finished_at]
-    if not done:
-        return ""
-    return (
-        f"ckval per job (mean s): queued {mean(a.claimed_at - j.created_at for j, a in done):.2f}"
-        f", task start {mean(a.started_at - a.claimed_at for j, a in done):.2f}"
-        f", attempt running {mean(a.finished_at - a.started_at for j, a in done):.2f}"
-        f", recorded {mean(j.finished_at - a.finished_at for j, a in done):.2f}"
-        f"; {len({a.worker_pid for _, a in done})} worker process(es)"
-    )
 
 
 def _run_config(bench: Bench, way: str, scenario: str, checkpoints: int, steps: int):
@@ -441,52 +392,8 @@ def _run_config(bench: Bench, way: str, scenario: str, checkpoints: int, steps: 
 def _ray_result(bench, run, scenario, way, checkpoints, steps, started, result) -> WayResult:
     ended = time.time()
     validated = [m for _, m in result.best_checkpoints if "validation_time" in m]
-    return _way_result(
+    return way_result(
         scenario, way, checkpoints, steps, started, ended, bench.timings(run), validated
-    )
-
-
-def _way_result(
-    scenario, way, checkpoints, steps, started, ended, timings, validated, available=None
-):
-    if available is None:  # when the last validate_fn returned
-        available = max((m["finished_at"] for m in validated), default=ended)
-    return WayResult(
-        scenario=scenario,
-        way=way,
-        checkpoints=checkpoints,
-        steps_per_checkpoint=steps,
-        e2e_s=ended - started,
-        report_blocked_s=sum(timings["report_blocked_s"]),
-        inline_validation_s=sum(timings["inline_validation_s"]),
-        final_wait_s=max(0.0, available - timings["loop_end"]),
-        until_fit_s=ended - timings["loop_end"],
-        total_validation_s=sum(m["validation_time"] for m in validated),
-        validations=len(validated),
-        best_accuracy=max((m["accuracy"] for m in validated), default=float("nan")),
-        mean_train_interval_s=sum(timings["train_s"]) / max(len(timings["train_s"]), 1),
-        first_report_blocked_s=timings["report_blocked_s"][0] if timings["report_blocked_s"] else 0,
-        later_report_median_s=statistics.median(timings["report_blocked_s"][1:] or [0.0]),
-        load_1min=os.getloadavg()[0],
-    )
-
-
-def median_result(runs: list[WayResult]) -> WayResult:
-    """One row for repeated runs of a way: the median of every measured number."""
-    if len(runs) == 1:
-        return runs[0]
-    numbers = {
-        f.name: statistics.median(getattr(r, f.name) for r in runs)
-        for f in dataclasses.fields(WayResult)
-        if f.type in ("float", float)
-    }
-    details = "; ".join(f"run {i + 1}: {r.detail}" for i, r in enumerate(runs) if r.detail)
-    return dataclasses.replace(
-        runs[0],
-        **numbers,
-        validations=min(r.validations for r in runs),
-        runs=len(runs),
-        detail=details,
     )
 
 
@@ -531,202 +438,9 @@ def calibrate_step_seconds(bench: Bench) -> float:
     return bench.timings(run)["step_s"]
 
 
-# ----------------------------------------------------------------------------- output
-def render_markdown(results: list[WayResult], meta: dict[str, Any]) -> str:
-    lines = [
-        "# Async validation: inline vs Ray Train native vs ckval",
-        "",
-        f"- command: `{meta['command']}`",
-        f"- date: {meta['date']}",
-        f"- machine: {meta['machine']}",
-        f"- versions: {meta['versions']}",
-        f"- load average (1/5/15 min) before: {meta['load_before']}, after: {meta['load_after']}",
-        f"- workload: MLP 64-64-10 on sklearn digits, TorchTrainer with {NUM_WORKERS} "
-        f"workers, SGD lr {LR}, batch {BATCH_SIZE}, seed {SEED}; one validation = "
-        f"held-out accuracy + accuracy over {meta['noisy_copies']} noised copies of the "
-        f"held-out set (torchmetrics), calibrated to ~{meta['validation_seconds']:g} s "
-        f"on the driver; {meta['step_ms']:.2f} ms per training step (calibrated)",
-        f"- ckval: service pool concurrency {meta['ckval_concurrency']}; native: Ray's "
-        "MAX_IN_FLIGHT_VALIDATIONS = 1; both 1 CPU per validation; Ray logical CPUs "
-        f"{meta['ray_cpus']}",
-        f"- wall time of the whole script: {meta['wall_s']:.0f} s",
-        "- warm-up: "
-        + (
-            "one untimed 2-checkpoint run per way before the measured runs"
-            if meta["warmup"]
-            else "none (the first run of each way starts cold)"
-        ),
-        "",
-        "Columns: e2e = fit() start until the driver holds every validated metric; report "
-        "blocked = sum over reports of the longest time a rank was blocked in report(); in-loop "
-        "val = validation inside the"
-        " loop (inline only); final wait = training loop end until the last validated metric is"
-        " available (native: its last validation task returned, in the controller; ckval: "
-        "committed to the registry; inline: 0); until fit() = training loop end until fit() "
-        "returned and the driver holds every validated metric (includes Ray Train's shutdown of"
-        " the run); blocking = report blocked + in-loop val + final wait; validation = sum of "
-        "validate_fn durations; interval = mean training time between checkpoints; first report"
-        " = how long the first report() blocked (it includes one-time set-up: Ray Train's own,"
-        " and for ckval pickling validate_fn); later reports = the median time one report() after"
-        " the first blocked; load = the machine's 1-minute load average at"
-        " the end of the run (above 2 on 2 cores means other processes competed for the CPUs)."
-        + (f" Medians of {meta['repeats']} runs per row." if meta["repeats"] > 1 else ""),
-        "",
-    ]
-    for scenario in dict.fromkeys(r.scenario for r in results):
-        rows = [r for r in results if r.scenario == scenario]
-        lines += [
-            f"## Scenario `{scenario}` ({SCENARIOS[scenario]:g}x the validation time "
-            "between checkpoints)",
-            "",
-            "| checkpoints | ckpt MB | K steps | way | e2e (s) | report blocked (s) "
-            "| per report (ms) | first report (s) "
-            "| later reports, median (ms) | in-loop val (s) | final wait (s) | until fit() (s) "
-            "| blocking (s) | validation (s) | validated | interval (s) | best accuracy | load |",
-            "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in rows:
-            lines.append(
-                f"| {r.checkpoints} | {r.checkpoint_mb:g} | {r.steps_per_checkpoint} | {r.way} "
-                f"| {r.e2e_s:.2f} | {r.report_blocked_s:.3f} "
-                f"| {1000 * r.blocked_per_report_s:.1f} | {r.first_report_blocked_s:.3f} "
-                f"| {1000 * r.later_report_median_s:.1f} "
-                f"| {r.inline_validation_s:.2f} "
-                f"| {r.final_wait_s:.2f} | {r.until_fit_s:.2f} | {r.blocking_s:.2f} "
-                f"| {r.total_validation_s:.2f} "
-                f"| {r.validations}/{r.checkpoints} | {r.mean_train_interval_s:.2f} "
-                f"| {r.best_accuracy:.4f} | {r.load_1min:.1f} |"
-            )
-        details = [f"- {r.checkpoints} checkpoints, {r.way}: {r.detail}" for r in rows if r.detail]
-        lines += ["", *ratio_table(rows), "", *details, ""]
-    return "\n".join(lines)
-
-
-def ratio_table(rows: list[WayResult]) -> list[str]:
-    lines = [
-        "ckval / native in the same run (below 1 is better for ckval); native is Ray's "
-        "ASYNC call, as in its guide:",
-        "",
-        "| checkpoints | ckpt MB | ckval way | e2e | report blocked | later reports "
-        "| final wait | until fit() | blocking | final wait native (s) | final wait ckval (s) |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for n, mb in dict.fromkeys((r.checkpoints, r.checkpoint_mb) for r in rows):
-        by_way = {r.way: r for r in rows if (r.checkpoints, r.checkpoint_mb) == (n, mb)}
-        for way, against in COMPARED.items():
-            ckval, native = by_way.get(way), by_way.get(against)
-            if native is None or ckval is None:
-                continue
-            lines.append(
-                f"| {n} | {mb:g} | {way} | {_ratio(ckval.e2e_s, native.e2e_s)} "
-                f"| {_ratio(ckval.report_blocked_s, native.report_blocked_s)} "
-                f"| {_ratio(ckval.later_report_median_s, native.later_report_median_s)} "
-                f"| {_ratio(ckval.final_wait_s, native.final_wait_s)} "
-                f"| {_ratio(ckval.until_fit_s, native.until_fit_s)} "
-                f"| {_ratio(ckval.blocking_s, native.blocking_s)} "
-                f"| {native.final_wait_s:.2f} | {ckval.final_wait_s:.2f} |"
-            )
-    return lines
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if b > 0 else "-"
-
-
-def check_results(results: list[WayResult], tolerance: float) -> list[str]:
-    """Problems that make the comparison invalid: missing validations, differing scores."""
-    problems = []
-    for r in results:
-        if r.validations != r.checkpoints:
-            problems.append(
-                f"{r.scenario}/{r.checkpoints}/{r.way}: {r.validations} of "
-                f"{r.checkpoints} checkpoints validated"
-            )
-    groups: dict[tuple, list[WayResult]] = {}
-    for r in results:
-        groups.setdefault((r.scenario, r.checkpoints, r.checkpoint_mb), []).append(r)
-    for (scenario, n, _), rows in groups.items():
-        scores = [r.best_accuracy for r in rows]
-        if max(scores) - min(scores) > tolerance:
-            detail = ", ".join(f"{r.way}={r.best_accuracy:.4f}" for r in rows)
-            problems.append(
-                f"{scenario}/{n}: best accuracy differs by more than {tolerance}: {detail}"
-            )
-    return problems
-
-
 # -------------------------------------------------------------------------------- main
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny run for CI: 2 checkpoints, ~0.3 s validations, backlog",
-    )
-    parser.add_argument(
-        "--checkpoints",
-        type=int,
-        nargs="+",
-        default=[4, 8, 16],
-        help="numbers of checkpoints to sweep (default: 4 8 16)",
-    )
-    parser.add_argument(
-        "--validation-seconds",
-        type=float,
-        default=1.0,
-        help="target cost of one validation (default: 1.0)",
-    )
-    parser.add_argument("--scenario", choices=[*SCENARIOS, "both"], default="backlog")
-    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
-    parser.add_argument(
-        "--steps-per-checkpoint",
-        type=int,
-        default=None,
-        help="fix K instead of calibrating it from the scenario",
-    )
-    parser.add_argument(
-        "--noisy-copies",
-        type=int,
-        default=None,
-        help="fix the validation cost instead of calibrating it",
-    )
-    parser.add_argument("--ckval-concurrency", type=int, default=2)
-    parser.add_argument(
-        "--checkpoint-mb",
-        type=float,
-        nargs="+",
-        default=[0.0],
-        help="pad each checkpoint with this many MB of random bytes; several sweep (default 0)",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="runs per way and checkpoint count; the tables show medians (default 1)",
-    )
-    parser.add_argument(
-        "--score-tolerance",
-        type=float,
-        default=0.01,
-        help="allowed spread of best accuracy across ways (default 0.01)",
-    )
-    parser.add_argument(
-        "--no-warmup",
-        dest="warmup",
-        action="store_false",
-        help="measure from a cold start (by default one untimed run per way goes first)",
-    )
-    parser.add_argument("--out", type=Path, default=None, help="write the markdown here")
-    parser.add_argument("--keep", action="store_true", help="keep the temporary CKVAL_HOME")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        args.checkpoints, args.validation_seconds, args.scenario = [2], 0.3, "backlog"
-        args.warmup = False
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(__doc__.split("\n\n")[0], argv)
     wall_started = time.perf_counter()
     load_before = load_average()
     workdir = fresh_ckval_home("ckval-bench-async-")
@@ -812,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
         "noisy_copies": noisy_copies,
         "validation_seconds": args.validation_seconds,
         "step_ms": step_s * 1000,
+        "workers": NUM_WORKERS,
+        "lr": LR,
+        "batch_size": BATCH_SIZE,
+        "seed": SEED,
         "ckval_concurrency": args.ckval_concurrency,
         "ray_cpus": ray_cpus,
         "repeats": args.repeats,

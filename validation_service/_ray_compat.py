@@ -9,9 +9,10 @@ assumption (the upload pool's single thread, the pool drained before a worker en
 against the installed Ray, so that an incompatible release fails one clear test rather
 than a training run.
 
-Public names that differ between releases are here too (``PUBLIC_DIFFERENCES``), each
-with the spelling ckval uses where it is missing; ckval picks by what the installed Ray
-has, never by its version number.
+The resource by which Ray marks its head node (``HEAD_NODE_RESOURCE``, which the
+service's first replica asks for) is here too, and so are the public names that differ
+between releases (``PUBLIC_DIFFERENCES``), each with the spelling ckval uses where it is
+missing; ckval picks by what the installed Ray has, never by its version number.
 
 ``CKVAL_RAY_INTERNALS=0`` in the environment (the driver's reaches Ray workers) turns
 the report path's internals off, so that the public fallbacks run: for a Ray release
@@ -239,6 +240,16 @@ def bootstrap_address() -> str | None:
         return canonicalize_bootstrap_address("auto")
     except ConnectionError:
         return None
+
+
+# Ray gives its head node one unit of this resource for Ray's own use (2.51-2.60 alike);
+# an actor that asks for a sliver of it can run on the head node only.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
+def head_node_resources() -> dict[str, float]:
+    """Actor ``resources`` that pin the actor to the head node of the cluster."""
+    return {HEAD_NODE_RESOURCE: 0.001}
 
 
 def missing_internals() -> list[Internal]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import ray
 
+from validation_service._ray_compat import head_node_resources
 from validation_service.config import Settings, get_settings
 from validation_service.logs import configure_logging
 from validation_service.registry.replicas import replica_name
@@ -217,7 +218,7 @@ def replica_actor(settings: Settings, settings_json: str, replica: int):
     never takes it away with an idle worker); the others go to worker nodes
     (_replica_placement), so that one node's loss leaves a replica claiming."""
     if replica == 0:
-        placement: dict[str, Any] = {"resources": {"node:__internal_head__": 0.001}}
+        placement: dict[str, Any] = {"resources": head_node_resources()}
     else:
         placement = {"scheduling_strategy": _replica_placement(replica)}
     return (
