@@ -166,6 +166,15 @@ def test_benchmark_registry_smoke(tmp_path):
     assert "acknowledged/s" in out and "10 validated" in out
 
 
+def test_benchmark_revalidate_smoke(tmp_path):
+    out = run([sys.executable, "benchmarks/bench_revalidate.py", "--smoke"], tmp_path)
+    # 4 runs x 10 checkpoints queued on both databases, and nothing queued the second time.
+    assert "| postgresql | 4 x 10 | 40 |" in out and "| sqlite | 4 x 10 | 40 |" in out
+    assert "| 0 | met |" in out
+    assert "| **validations/s, end to end, 40 jobs** |" in out and "| jobs FAILED | 0 |" in out
+    assert "| backlog running | 2 |" in out
+
+
 def test_benchmark_async_validation_smoke(tmp_path):
     out_file = tmp_path / "async.md"
     # The call users write (ckval-async) and the strongest configuration of Ray's own
