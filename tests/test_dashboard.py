@@ -270,6 +270,16 @@ def test_run_page_updates_when_a_validation_finishes(served: Served, page):
         page.screenshot(path=str(REPO / "docs" / "dashboard.png"), full_page=True)
 
 
+def test_run_page_shows_a_warning_stored_with_a_job(served: Served, page):
+    job = served.registry.validations("alpha")[0].id
+    served.registry.job_queue.add_warnings(job, ["sink mlflow: logged to its own run"])
+    page.goto(f"{served.url}/ui/runs/alpha")
+    warning = page.locator(f"#jobs tr[data-job='{job}'] .warning")
+    warning.wait_for()
+    assert warning.inner_text() == "warning: sink mlflow: logged to its own run"
+    assert page.locator("#jobs .warning").count() == 1
+
+
 STOPPED_ACCURACY = [0.70, 0.80, 0.79, 0.78]  # patience 2: decided at report 3
 
 

@@ -281,6 +281,8 @@ def job(ctx: click.Context, job_id: int, as_json: bool, show_log: bool) -> None:
     ]
     echo("")
     echo(render_table(["attempt", "status", "node", "pid", "started", "finished", "error"], rows))
+    for warning in record.warnings:
+        echo(f"\nwarning: {warning}")
     if record.error_traceback:
         echo("\ntraceback:\n" + record.error_traceback)
 

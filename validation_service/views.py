@@ -154,4 +154,5 @@ def job_json(job: JobRecord) -> dict[str, Any]:
             attempt_count="attempts",
         ),
         "attempts": [attempt_json(attempt) for attempt in job.attempt_history],
+        "warnings": list(job.warnings),
     }

@@ -416,6 +416,7 @@ _JSONS = frozenset(
         "policy",
         "metric_values",
         "skipped",
+        "warnings",
     }
 )
 

@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from validation_service.errors import InvalidInput, RegistryRejected, RetryLimitReached
 from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus
 from validation_service.metrics import normalize_metrics
-from validation_service.registry import evaluations, transitions
+from validation_service.registry import evaluations, job_warnings, transitions
 from validation_service.registry.catalog import Catalog
 from validation_service.registry.database import Database, retry_on_disconnect
 from validation_service.registry.housekeeping import Housekeeping
@@ -169,6 +169,13 @@ class JobQueue:
                     conn, job, outcome, decision.status, now, not_before=decision.not_before
                 )
         return job.run_id, status, job.validator
+
+    @retry_on_disconnect
+    def add_warnings(self, job_id: int, messages: list[str]) -> bool:
+        """Stores warnings with a job (a sink that logged elsewhere than the run recorded);
+        one already stored is not added again. False when there is no such job."""
+        with self.db.write() as conn:
+            return job_warnings.add_warnings(conn, job_id, messages)
 
     # ------------------------------------------------------- operators' commands
     def cancel(self, job_ids: list[int] | None, run_id: int | None, reason: str) -> list[int]:

@@ -172,6 +172,13 @@ class JobRecord:
     attempt_history: tuple[AttemptRecord, ...] = ()
     # The evaluation the job belongs to: "default" is report()'s own.
     validator: str = "default"
+    # What went otherwise than asked though the job ran, newest last (a sink that logged
+    # to its own tracker run instead of the one the run recorded): the warnings column.
+    warnings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # The column is a JSON list, or NULL for a job with none.
+        object.__setattr__(self, "warnings", tuple(self.warnings or ()))
 
 
 _R = TypeVar("_R")

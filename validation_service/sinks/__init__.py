@@ -7,7 +7,9 @@ SINK_KINDS or an importable ``"package.module:Class"`` taking the options as key
 arguments. The scheduler hands each SUCCEEDED job to a SinkDispatcher, which logs its
 metrics from a background thread: a sink that fails is retried with backoff and, once out
 of attempts, logged as a WARNING and counted (``sink_failures`` in the service's status);
-the validation itself is never failed by a sink.
+the validation itself is never failed by a sink. What a sink did otherwise than the run
+asked (its own tracker run instead of the one recorded) is stored with the job as a
+warning (``ckval job N``, ``/jobs/N``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from validation_service.errors import InvalidInput
@@ -53,13 +55,15 @@ class ValidatedMetrics:
 class Sink(Protocol):
     """Logs validated metrics somewhere; raises on failure (the dispatcher retries).
 
+    ``log()`` may return warnings by job id (or None): each is stored with its job. The
+    sinks of this package warn when they log elsewhere than the tracker run recorded.
     ``close()`` lets go of what the sink holds open (tracker runs, connections); the
     dispatcher calls it when idle and at shutdown, and may call ``log()`` again after it.
     """
 
     kind: str
 
-    def log(self, batch: Sequence[ValidatedMetrics]) -> None: ...
+    def log(self, batch: Sequence[ValidatedMetrics]) -> Mapping[int, Sequence[str]] | None: ...
 
     def close(self) -> None: ...
 
@@ -360,11 +364,28 @@ class SinkDispatcher:
                 sink = self._sinks[index]
                 if sink is None:
                     sink = self._sinks[index] = build_sink(self.configs[index])
-                sink.log([d.item for d in batch])
+                warnings = sink.log([d.item for d in batch])
             except Exception as exc:  # noqa: BLE001 - a sink never fails a validation
                 self._failed(kind, batch, exc)
             else:
                 self.stats["sink_deliveries"] += len(batch)
+                self._store_warnings(kind, warnings or {})
+
+    def _store_warnings(self, kind: str, warnings: Mapping[int, Sequence[str]]) -> None:
+        """Stores a sink's warnings with their jobs (shown wherever a job is shown)."""
+        for job_id, messages in warnings.items():
+            if not messages:
+                continue
+            try:
+                self.registry.job_queue.add_warnings(
+                    job_id, [f"sink {kind}: {message}" for message in messages]
+                )
+            except Exception:  # noqa: BLE001 - the warning is in the log still
+                logger.warning(
+                    "could not store the warning of sink %r with validation job %s",
+                    *(kind, job_id),
+                    exc_info=True,
+                )
 
     def _failed(self, kind: str, batch: list[_Delivery], exc: BaseException) -> None:
         error = f"{type(exc).__name__}: {exc}"

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from validation_service.secrets import mask_url, without_credentials
+from validation_service.secrets import without_credentials
 from validation_service.sinks import ValidatedMetrics
 
 logger = logging.getLogger(__name__)
@@ -50,14 +50,20 @@ class MlflowSink:
         # (tracking URI, namespace, ckval run) -> the MLflow run named after it
         self._named_runs: dict[tuple[str, str, str], str] = {}
 
-    def log(self, batch: Sequence[ValidatedMetrics]) -> None:
+    def log(self, batch: Sequence[ValidatedMetrics]) -> dict[int, list[str]]:
+        """Logs the batch; returns the warnings of the validations logged elsewhere than
+        the MLflow run their run recorded, by job id (the dispatcher stores them)."""
         from mlflow import MlflowClient
         from mlflow.entities import Metric
 
         targets: dict[tuple[str, str], list[Metric]] = {}
+        warnings: dict[int, list[str]] = {}
         now_ms = int(time.time() * 1000)
         for item in batch:
-            uri, run_id = self._target(item)
+            uri, run_id, warning = self._target(item)
+            if warning is not None:
+                logger.warning("validation job %s (run %r): %s", item.job_id, item.run, warning)
+                warnings.setdefault(item.job_id, []).append(warning)
             targets.setdefault((uri, run_id), []).extend(
                 Metric(self.prefix + name, value, now_ms, item.step)
                 for name, value in item.metrics.items()
@@ -65,41 +71,42 @@ class MlflowSink:
         for (uri, run_id), metrics in targets.items():
             if metrics:
                 MlflowClient(uri).log_batch(run_id, metrics=metrics)
+        return warnings
 
     def close(self) -> None:
         pass
 
-    def _target(self, item: ValidatedMetrics) -> tuple[str, str]:
-        """(tracking URI, run id) that this validation's metrics are logged to."""
+    def _target(self, item: ValidatedMetrics) -> tuple[str, str, str | None]:
+        """(tracking URI, run id) that this validation's metrics are logged to, and why
+        not the MLflow run that the run recorded (None when they go there, or none was)."""
         import mlflow
 
         training = item.trackers.get("mlflow") or {}
         uri = self.tracking_uri or mlflow.get_tracking_uri()
+        warning = None
         if training.get("run_id"):
             recorded = training.get("tracking_uri")
             server = uri if recorded is None else self._allowed(recorded)
             if server is not None and (server == uri or not self.tracking_uri):
                 if self._may_log_into(server, training["run_id"], item):
-                    return server, training["run_id"]
-                logger.warning(
-                    "validation job %s (run %r): not logged to the MLflow run %s that the run "
+                    return server, training["run_id"], None
+                warning = (
+                    f"not logged to the MLflow run {training['run_id']} that the run "
                     "recorded: ckval did not create it for this run, and its experiment is "
                     "not in CKVAL_MLFLOW_ALLOWED_EXPERIMENTS; logged to the sink's own run "
-                    "instead",
-                    *(item.job_id, item.run, training["run_id"]),
+                    "instead"
                 )
             elif server is None and not self.tracking_uri:
-                logger.warning(
-                    "validation job %s (run %r): not logged to the MLflow tracking server %s "
-                    "that the run recorded, as this service's settings do not allow it (the "
+                warning = (
+                    f"not logged to the MLflow tracking server {without_credentials(recorded)}"
+                    " that the run recorded, as this service's settings do not allow it (the "
                     "sink's tracking_uri, MLFLOW_TRACKING_URI, CKVAL_MLFLOW_ALLOWED_URIS); "
-                    "logged to %s instead",
-                    *(item.job_id, item.run, mask_url(recorded), mask_url(uri)),
+                    f"logged to {without_credentials(uri)} instead"
                 )
         key = (uri, item.namespace, item.run)
         if key not in self._named_runs:
             self._named_runs[key] = self._named_run(uri, item.namespace, item.run)
-        return uri, self._named_runs[key]
+        return uri, self._named_runs[key], warning
 
     def _allowed(self, recorded: str) -> str | None:
         """The tracking URI this service may use (its credentials included) for the

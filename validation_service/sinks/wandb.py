@@ -48,12 +48,20 @@ class WandbSink:
         # the same second would share, and overwrite, one folder.
         self._open: dict[str, Any] = {}
 
-    def log(self, batch: Sequence[ValidatedMetrics]) -> None:
+    def log(self, batch: Sequence[ValidatedMetrics]) -> dict[int, list[str]]:
+        """Logs the batch; returns the warnings of the validations logged elsewhere than
+        the W&B run their run recorded, by job id (the dispatcher stores them)."""
         by_run: dict[tuple[str, str], list[ValidatedMetrics]] = {}
         for item in batch:
             by_run.setdefault((item.namespace, item.run), []).append(item)
+        warnings: dict[int, list[str]] = {}
         for items in by_run.values():
-            self._log_run(items)
+            warning = self._log_run(items)
+            if warning is not None:
+                for item in items:
+                    logger.warning("validation job %s (run %r): %s", item.job_id, item.run, warning)
+                    warnings.setdefault(item.job_id, []).append(warning)
+        return warnings
 
     def close(self) -> None:
         """Finishes the open runs (a later batch resumes them)."""
@@ -61,8 +69,9 @@ class WandbSink:
             _, run = self._open.popitem()
             run.finish()
 
-    def _log_run(self, items: list[ValidatedMetrics]) -> None:
-        target = self._target(items[0])
+    def _log_run(self, items: list[ValidatedMetrics]) -> str | None:
+        """Logs one ckval run's validations; returns why not into the W&B run it recorded."""
+        target, warning = self._target(items[0])
         run = self._open.get(target["id"])
         if run is None:
             run = self._open[target["id"]] = self._start(target)
@@ -71,33 +80,37 @@ class WandbSink:
             for name in metrics:
                 run.define_metric(name, step_metric=STEP_KEY)
             run.log({STEP_KEY: item.step, **metrics})
+        return warning
 
-    def _target(self, item: ValidatedMetrics) -> dict[str, Any]:
-        """wandb.init's arguments for the run that this validation's metrics go to."""
+    def _target(self, item: ValidatedMetrics) -> tuple[dict[str, Any], str | None]:
+        """wandb.init's arguments for the run that this validation's metrics go to, and
+        why not the W&B run that the run recorded (None when they go there, or none was)."""
         training = item.trackers.get("wandb") or {}
         digest = hashlib.sha256(f"{item.namespace}/{item.run}".encode()).hexdigest()
         own_id = f"ckval-{digest[:16]}"
+        warning = None
         if training.get("id"):
             entity = training.get("entity") or self.entity
             if self._may_resume(str(training["id"]), entity, own_id):
-                return {
+                recorded = {
                     "id": training["id"],
                     "project": training.get("project") or self.project,
                     "entity": entity,
                 }
-            logger.warning(
-                "validation job %s (run %r): not logged to the W&B run %r of entity %r that "
-                "the run recorded: the entity is not in CKVAL_WANDB_ALLOWED_ENTITIES (or the "
-                "id is another ckval run's); logged to the sink's own run instead",
-                *(item.job_id, item.run, training["id"], entity),
+                return recorded, None
+            warning = (
+                f"not logged to the W&B run {training['id']!r} of entity {entity!r} that the "
+                "run recorded: the entity is not in CKVAL_WANDB_ALLOWED_ENTITIES (or the id "
+                "is another ckval run's); logged to the sink's own run instead"
             )
-        return {
+        own = {
             "id": own_id,
             "name": item.run,
             "project": self.project or "ckval",
             "entity": self.entity,
             "tags": ["ckval"],
         }
+        return own, warning
 
     def _may_resume(self, run_id: str, entity: str | None, own_id: str) -> bool:
         """A recorded run is resumed only in an entity the settings allow ("*": any, ""

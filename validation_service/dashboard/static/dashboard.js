@@ -396,7 +396,8 @@
           el("td", { title: job.created_at }, ago(job.created_at)),
           el("td", {}, job.started_at && job.finished_at
             ? took(seconds(job.started_at, job.finished_at)) : "–"),
-          el("td", {}, error));
+          el("td", {}, error, (job.warnings || []).map((warning) =>
+            el("div", { class: "warning" }, `warning: ${warning}`))));
       }));
     }
 
