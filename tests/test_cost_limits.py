@@ -1,10 +1,11 @@
 """Documented caps on what one request may ask of the database (search terms, order
-keys, IN lists: a 422 naming the cap), and a run page whose data grows linearly with
-its checkpoints and metrics (plotted metrics capped, the rest counted)."""
+keys, IN lists, metrics per run page: a 422 naming the cap), and a run page whose data
+grows linearly with its checkpoints and the metrics it shows (the rest counted and named)."""
 
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -69,7 +70,7 @@ def test_the_run_pages_series_are_capped_and_the_rest_counted():
     series = data.series_by_metric(checkpoints)
 
     assert names == sorted(metrics) and len(names) == 1000
-    assert list(series) == names[: data.MAX_PLOTTED_METRICS]
+    assert list(series) == names[: data.METRICS_PER_PAGE]
     assert series["m0003"]["reported"] == [3.0] * 20
 
 
@@ -79,3 +80,78 @@ def test_the_run_page_says_how_many_metrics_it_leaves_unplotted(tmp_path):
     page = data.run_json(registry, RUN, "/ui")
     registry.close()
     assert page["metrics_total"] == 2 and set(page["series"]) == {"acc", "step"}
+
+
+def test_more_metrics_per_run_page_than_the_cap_is_a_422_naming_it(api):
+    url = f"/ui/api/runs/{RUN}"
+    cap = data.MAX_METRICS_PER_PAGE
+    too_many = api.get(url, params={"max_metrics": cap + 1})
+    assert too_many.status_code == 422, too_many.text
+    assert f"at most {cap} metrics" in too_many.json()["detail"]
+    assert "metric=NAME" in too_many.json()["detail"]
+    named = [("metric", f"m{i}") for i in range(cap + 1)]
+    too_many_named = api.get(url, params=named)
+    assert too_many_named.status_code == 422, too_many_named.text
+    assert f"names {cap + 1} metrics" in too_many_named.json()["detail"]
+    page = api.get(f"/ui/runs/{RUN}", params={"max_metrics": 0})
+    assert page.status_code == 422 and f"at most {cap} metrics" in page.text
+    assert api.get(url, params={"max_metrics": cap}).status_code == 200
+
+
+WIDE = [f"m{i:03d}" for i in range(120)]
+
+
+@pytest.fixture
+def wide_run(api):
+    """A run of 3 checkpoints that reported 120 metrics each, and one text value."""
+    registry = api.app.state.registry
+    run_id = registry.ledger.ensure_run("wide", storage_root="/nowhere")
+    for index in range(3):
+        registry.ledger.register_checkpoint(
+            run_id,
+            index,
+            uri=f"/nowhere/wide/{index}",
+            size_bytes=1,
+            manifest_sha256=None,
+            reported_metrics={name: float(index) for name in WIDE} | {"phase": "warmup"},
+        )
+    return "/ui/api/runs/wide"
+
+
+def test_the_run_data_counts_every_metric_and_names_those_it_omits(api, wide_run):
+    page = api.get(wide_run).json()
+    shown = WIDE[: data.METRICS_PER_PAGE]
+    assert page["metrics_total"] == len(WIDE) + 1
+    assert page["metrics_shown"] == shown and list(page["series"]) == shown
+    assert page["metrics_omitted"] == [*WIDE[data.METRICS_PER_PAGE :], "phase"]
+    # Each checkpoint carries the values of the metrics shown only.
+    assert [list(c["metrics"]) for c in page["checkpoints"]] == [shown] * 3
+    assert page["metrics_cap"] == data.MAX_METRICS_PER_PAGE
+
+    every = api.get(wide_run, params={"max_metrics": 500}).json()
+    assert every["metrics_shown"] == [*WIDE, "phase"] and every["metrics_omitted"] == []
+    assert list(every["series"]) == WIDE  # the text value is in the table, not plotted
+
+
+def test_the_run_data_shows_the_metrics_it_is_asked_for(api, wide_run):
+    asked = [("metric", "m100"), ("metric", "phase"), ("metric", "nope"), ("metric", "m100")]
+    page = api.get(wide_run, params=asked).json()
+    assert page["metrics_shown"] == ["m100", "phase"]
+    assert page["metrics_not_found"] == ["nope"]
+    assert len(page["metrics_omitted"]) == len(WIDE) - 1
+    assert list(page["series"]) == ["m100"]
+    assert page["checkpoints"][2]["metrics"] == {"m100": 2.0, "phase": "warmup"}
+    assert page["checkpoints"][2]["reported_metrics"] == {"m100": 2.0, "phase": "warmup"}
+
+
+def test_security_md_states_the_caps_the_code_applies():
+    text = (Path(__file__).resolve().parents[1] / "SECURITY.md").read_text()
+    caps = text[text.index("**Cost of one request.**") :]
+    for stated in (
+        f"at most {search.MAX_TERMS} terms",
+        f"at most {search.MAX_IN_VALUES} values",
+        f"at most {search.MAX_ORDER_KEYS} keys",
+        f"at most {data.MAX_METRICS_PER_PAGE} metrics per request",
+        f"the first {data.METRICS_PER_PAGE} the run reported",
+    ):
+        assert stated in caps, stated

@@ -280,6 +280,48 @@ def test_run_page_shows_a_warning_stored_with_a_job(served: Served, page):
     assert page.locator("#jobs .warning").count() == 1
 
 
+def test_run_page_says_how_many_metrics_it_shows_and_shows_others_on_request(tmp_path: Path, page):
+    """A run of 60 metrics: the page plots the first 50, says so, and the picker shows
+    one of the others instead (the data asked for it only; the address keeps it)."""
+    registry = Registry(f"sqlite:///{tmp_path}/registry.db")
+    run_id = registry.ledger.ensure_run("wide", storage_root=str(tmp_path))
+    names = [f"m{i:02d}" for i in range(60)]
+    for index in range(2):
+        registry.ledger.register_checkpoint(
+            run_id,
+            index,
+            uri=f"{tmp_path}/wide/checkpoint_{index:06d}",
+            size_bytes=1,
+            manifest_sha256=None,
+            reported_metrics={name: float(index + i) for i, name in enumerate(names)},
+        )
+    with _serving(registry) as url:
+        page.goto(f"{url}/ui/runs/wide")
+        page.wait_for_selector(".plot[data-metric='m49'] canvas")
+        note = page.locator("#metrics-note")
+        assert note.inner_text() == (
+            "Showing 50 of 60 metrics (the first 50 reported; choose others below)."
+        )
+        assert page.locator(".plot").count() == 50
+        assert page.locator(".plot[data-metric='m55']").count() == 0
+
+        page.click("#metric-picker summary")
+        page.select_option("#metric-choice", ["m55"])
+        page.click("#show-chosen")
+        _wait_for(page, "Object.keys(window.ckval.plots).join() === 'm55'")
+        assert note.inner_text() == "Showing 1 of 60 metrics (chosen below)."
+        assert page.locator(".plot").count() == 1
+        assert _series(page, "m55", 1) == [55.0, 56.0]
+        assert page.text_content("#checkpoints tr[data-report='1'] td.metrics") == "m55=56"
+        assert "metric=m55" in page.url
+
+        page.click("#show-first")
+        _wait_for(page, "Object.keys(window.ckval.plots).length === 50")
+        assert "m55" not in page.evaluate("Object.keys(window.ckval.plots)")
+        assert "metric=" not in page.url
+    registry.close()
+
+
 STOPPED_ACCURACY = [0.70, 0.80, 0.79, 0.78]  # patience 2: decided at report 3
 
 

@@ -6,6 +6,7 @@ refresh go through one renderer in dashboard.js.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import math
 from typing import Any
@@ -27,9 +28,11 @@ from validation_service.views import (
 
 # More runs than this in one plot is unreadable; the page says so instead of drawing it.
 MAX_COMPARED_RUNS = 20
-# A run page plots this many metrics (in the order they first appear) and counts the
-# rest (metrics_total): the page's data, refetched every few seconds, stays small.
-MAX_PLOTTED_METRICS = 50
+# A run page holds the values of this many metrics (the first reported) unless asked for
+# more (max_metrics=) or for others (metric=), and of at most MAX_METRICS_PER_PAGE: its
+# data, refetched every 2 s while validations run, grows with checkpoints x metrics shown.
+METRICS_PER_PAGE = 50
+MAX_METRICS_PER_PAGE = 500
 _ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 
 
@@ -70,36 +73,86 @@ def runs_json(page: RunPage, base: str) -> dict[str, Any]:
     }
 
 
-def run_json(registry: Registry, run: str, base: str) -> dict[str, Any]:
-    """One run: its record, a series per metric, its checkpoints and its jobs, and its
-    stop policy with the latest decision of its latest attempt (the plots mark it)."""
+@dataclasses.dataclass(frozen=True)
+class MetricChoice:
+    """Which metrics a run page shows: those named (``metric=``, in that order), else the
+    first ``max_metrics`` the run reported."""
+
+    names: tuple[str, ...] = ()
+    max_metrics: int = METRICS_PER_PAGE
+
+    def check(self) -> MetricChoice:
+        """This choice, or InvalidInput (a 422) naming the cap and what to ask instead."""
+        if not 1 <= self.max_metrics <= MAX_METRICS_PER_PAGE:
+            raise InvalidInput(
+                f"max_metrics={self.max_metrics}: a run page shows at most "
+                f"{MAX_METRICS_PER_PAGE} metrics (at least 1; {METRICS_PER_PAGE} unless "
+                "asked). Ask for fewer, or name the ones to show with metric=NAME, repeated."
+            )
+        names = tuple(dict.fromkeys(self.names))
+        if len(names) > MAX_METRICS_PER_PAGE:
+            raise InvalidInput(
+                f"metric= names {len(names)} metrics: a run page shows at most "
+                f"{MAX_METRICS_PER_PAGE}. Name at most {MAX_METRICS_PER_PAGE} in one request, "
+                "and the others in another."
+            )
+        return dataclasses.replace(self, names=names)
+
+    def shown(self, names: list[str]) -> list[str]:
+        """The run's metrics (``names``) that the page shows."""
+        if not self.names:
+            return names[: self.max_metrics]
+        known = set(names)
+        return [name for name in self.names if name in known]
+
+
+def run_json(
+    registry: Registry, run: str, base: str, choice: MetricChoice | None = None
+) -> dict[str, Any]:
+    """One run: its record, a series per metric shown, its checkpoints (with the values
+    of the metrics shown) and its jobs, and its stop policy with the latest decision of
+    its latest attempt (the plots mark it). ``metrics_total`` counts the run's metrics,
+    ``metrics_omitted`` names those not shown."""
+    choice = (choice or MetricChoice()).check()
     record = registry.dashboard.run_record(run)
     checkpoints = registry.checkpoints(run)
     jobs = registry.dashboard.run_jobs(run)
     names = metric_names(checkpoints)
+    shown = choice.shown(names)
+    kept = set(shown)
     return {
         "run": run_record_json(record),
         "metrics_total": len(names),
+        "metrics_shown": shown,
+        "metrics_omitted": [name for name in names if name not in kept],
+        "metrics_not_found": [name for name in choice.names if name not in kept],
+        "metrics_cap": MAX_METRICS_PER_PAGE,
         "url": run_url(base, run),
         "active_jobs": sum(1 for job in jobs if job.status in _ACTIVE),
         "now": now_iso(),  # running jobs' bars end here on the timeline
-        "series": series_by_metric(checkpoints, names),
-        "checkpoints": [labelled_checkpoint_json(c) for c in checkpoints],
+        "series": series_by_metric(checkpoints, shown),
+        "checkpoints": [_with_metrics(labelled_checkpoint_json(c), kept) for c in checkpoints],
         "jobs": [job_json(job) for job in jobs],
         "stop_policy": stop_policy_json(registry.stop_policy(run)),
         "stop_decision": stop_decision_json(registry.stop_decision(run)),
     }
 
 
+def _with_metrics(checkpoint: dict[str, Any], kept: set[str]) -> dict[str, Any]:
+    """A checkpoint's JSON with the values of the ``kept`` metrics only."""
+    for key in ("metrics", "reported_metrics", "validated_metrics"):
+        if checkpoint[key] is not None:
+            checkpoint[key] = {k: v for k, v in checkpoint[key].items() if k in kept}
+    return checkpoint
+
+
 def metric_names(checkpoints: list[CheckpointRecord]) -> list[str]:
-    """The names of the metrics with a finite value in any checkpoint, in the order they
-    first appear (reported before validated); linear in the checkpoints' metrics."""
+    """The names of the checkpoints' metrics, in the order they first appear (reported
+    before validated); linear in the checkpoints' metrics."""
     names: dict[str, None] = {}
     for c in checkpoints:
-        for values in (c.reported_metrics, c.validated_metrics or {}):
-            for name, value in values.items():
-                if name not in names and _finite(value) is not None:
-                    names[name] = None
+        names.update(dict.fromkeys(c.reported_metrics))
+        names.update(dict.fromkeys(c.validated_metrics or {}))
     return list(names)
 
 
@@ -108,20 +161,24 @@ def series_by_metric(
 ) -> dict[str, dict[str, Any]]:
     """Metric -> the reported and the validated values over report index, aligned on the
     run's report indexes (None where a checkpoint has no finite value), and the best point
-    of the merged values; for the first MAX_PLOTTED_METRICS of ``names`` (default: every
-    metric's, metric_names)."""
-    names = metric_names(checkpoints) if names is None else names
+    of the merged values; for each of ``names`` (default: the first METRICS_PER_PAGE of
+    metric_names) with a finite value somewhere. Linear in checkpoints x names."""
+    names = metric_names(checkpoints)[:METRICS_PER_PAGE] if names is None else names
     x = [c.report_index for c in checkpoints]
     series = {}
-    for name in names[:MAX_PLOTTED_METRICS]:
+    for name in names:
         mode = default_mode(name)
+        reported = [_finite(c.reported_metrics.get(name)) for c in checkpoints]
+        validated = [_finite((c.validated_metrics or {}).get(name)) for c in checkpoints]
         merged = [_finite(c.metrics.get(name)) for c in checkpoints]
+        if all(v is None for v in (*reported, *validated, *merged)):
+            continue  # nothing to plot: shown in the checkpoints' table only
         best = _best_index(merged, mode)
         series[name] = {
             "mode": mode,
             "x": x,
-            "reported": [_finite(c.reported_metrics.get(name)) for c in checkpoints],
-            "validated": [_finite((c.validated_metrics or {}).get(name)) for c in checkpoints],
+            "reported": reported,
+            "validated": validated,
             "best": None if best is None else {"report_index": x[best], "value": merged[best]},
         }
     return series

@@ -127,6 +127,14 @@ class _Pages:
         )
 
 
+def _metric_choice(
+    metric: list[str] = Query([]), max_metrics: int = data.METRICS_PER_PAGE
+) -> data.MetricChoice:
+    """A run page's ``?metric=NAME`` (repeated: those metrics) or ``?max_metrics=N`` (the
+    first N), checked against data.MAX_METRICS_PER_PAGE when the page is built."""
+    return data.MetricChoice(tuple(metric), max_metrics)
+
+
 def _add_page_routes(router: APIRouter, pages: _Pages) -> None:
     @router.get("", response_class=HTMLResponse)
     @router.get("/", response_class=HTMLResponse)
@@ -135,9 +143,11 @@ def _add_page_routes(router: APIRouter, pages: _Pages) -> None:
         return pages.page(request, "runs.html", "Runs", content)
 
     @router.get("/runs/{run}", response_class=HTMLResponse)
-    def run_page(request: Request, run: str) -> Response:
+    def run_page(
+        request: Request, run: str, choice: data.MetricChoice = Depends(_metric_choice)
+    ) -> Response:
         try:
-            content = data.run_json(pages.registry, run, pages.base(request))
+            content = data.run_json(pages.registry, run, pages.base(request), choice)
         except CkvalError as exc:
             return pages.error_page(request, exc)
         return pages.page(request, "run.html", run, content, run=run)
@@ -168,8 +178,10 @@ def _add_data_routes(router: APIRouter, pages: _Pages) -> None:
         return _json(pages.runs(request, listing))
 
     @router.get("/api/runs/{run}")
-    def run_data(request: Request, run: str) -> JSONResponse:
-        return _json(data.run_json(pages.registry, run, pages.base(request)))
+    def run_data(
+        request: Request, run: str, choice: data.MetricChoice = Depends(_metric_choice)
+    ) -> JSONResponse:
+        return _json(data.run_json(pages.registry, run, pages.base(request), choice))
 
     @router.get("/api/compare")
     def compare_data(

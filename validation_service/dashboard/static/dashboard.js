@@ -292,11 +292,22 @@
   function runPage(run) {
     const plots = document.getElementById("plots");
     const openErrors = new Set();
+    const params = new URLSearchParams(location.search);
+    const picker = document.getElementById("metric-choice");
+    let pickerNames = null;
 
     function drawPlots(data) {
       const names = Object.keys(data.series);
+      for (const [name, plot] of Object.entries(ckval.plots)) {
+        if (names.includes(name)) continue;  // another choice of metrics: drop the others
+        const box = plot.root.parentNode;
+        plot.destroy();
+        box.remove();
+        delete ckval.plots[name];
+      }
       if (!names.length) {
-        plots.replaceChildren(el("p", { class: "empty" }, "No numeric metrics reported yet."));
+        plots.replaceChildren(el("p", { class: "empty" }, data.metrics_total
+          ? "No numeric values of the metrics shown." : "No numeric metrics reported yet."));
       }
       for (const name of names) {
         const series = data.series[name];
@@ -401,6 +412,49 @@
       }));
     }
 
+    // The run's data holds a page of its metrics (the first ones reported, or those
+    // chosen here): the note says how many of how many, the picker chooses others.
+    function drawMetricChoice(data) {
+      const shown = data.metrics_shown.length, total = data.metrics_total;
+      const chosen = params.getAll("metric").length > 0;
+      let text = `Showing ${shown} of ${total} metrics`;
+      if (chosen) text += " (chosen below)";
+      else if (shown < total) text += ` (the first ${shown} reported; choose others below)`;
+      if (data.metrics_not_found.length) {
+        text += `; not in this run: ${data.metrics_not_found.join(", ")}`;
+      }
+      const note = document.getElementById("metrics-note");
+      note.textContent = `${text}.`;
+      note.hidden = total === 0;
+      document.getElementById("metric-picker").hidden = total < 2;
+      const names = [...data.metrics_shown, ...data.metrics_omitted];
+      const key = names.join("\u0000");
+      if (key === pickerNames) return;  // keep what the reader is selecting
+      pickerNames = key;
+      const selected = new Set(data.metrics_shown);
+      picker.replaceChildren(...names.map((name) =>
+        el("option", { value: name, selected: selected.has(name) }, name)));
+    }
+
+    function chooseMetrics(names) {
+      const problem = document.getElementById("picker-problem");
+      const cap = ckval.data.metrics_cap;
+      if (names.length > cap) {
+        problem.textContent = `Choose at most ${cap} metrics (${names.length} selected).`;
+        return;
+      }
+      problem.textContent = "";
+      params.delete("metric");
+      params.delete("max_metrics");
+      for (const name of names) params.append("metric", name);
+      history.replaceState(null, "", params.toString() ? `?${params}` : location.pathname);
+      pickerNames = null;
+      ckval.refreshNow();
+    }
+    document.getElementById("show-chosen").addEventListener("click", () =>
+      chooseMetrics([...picker.selectedOptions].map((option) => option.value)));
+    document.getElementById("show-first").addEventListener("click", () => chooseMetrics([]));
+
     function drawStopNote(data) {
       const node = document.getElementById("stop-decision");
       const policy = data.stop_policy, decision = data.stop_decision;
@@ -414,12 +468,13 @@
 
     function draw(data) {
       drawStopNote(data);
+      drawMetricChoice(data);
       drawPlots(data);
       drawTimeline(data);
       drawTables(data);
     }
     draw(ckval.data);
-    keepFresh(() => `${base}/api/runs/${encodeURIComponent(run)}`, draw);
+    keepFresh(() => `${base}/api/runs/${encodeURIComponent(run)}?${params}`, draw);
   }
 
   // ------------------------------------------------------------- compare page
