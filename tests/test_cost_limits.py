@@ -4,6 +4,7 @@ grows linearly with its checkpoints and the metrics it shows (the rest counted a
 
 from __future__ import annotations
 
+import math
 import uuid
 from pathlib import Path
 
@@ -15,8 +16,13 @@ from validation_service.api import create_app
 from validation_service.config import Settings
 from validation_service.dashboard import data
 from validation_service.registry import search
-from validation_service.registry.records import CheckpointRecord
+from validation_service.registry.records import CheckpointRecord, JobOutcome
 from validation_service.registry.registry import Registry
+from validation_service.request import ValidationRequest
+
+REQUEST = ValidationRequest(
+    executor_kind="ray_task", pool="CPU", validate_fn_name="v", validate_fn_ref="json:dumps"
+)
 
 
 @pytest.fixture
@@ -103,7 +109,8 @@ WIDE = [f"m{i:03d}" for i in range(120)]
 
 @pytest.fixture
 def wide_run(api):
-    """A run of 3 checkpoints that reported 120 metrics each, and one text value."""
+    """A run of 3 checkpoints that reported 120 metrics each, and one text value; the
+    first one's validation returned the 120 metrics again."""
     registry = api.app.state.registry
     run_id = registry.ledger.ensure_run("wide", storage_root="/nowhere")
     for index in range(3):
@@ -114,7 +121,11 @@ def wide_run(api):
             size_bytes=1,
             manifest_sha256=None,
             reported_metrics={name: float(index) for name in WIDE} | {"phase": "warmup"},
+            job=REQUEST if index == 0 else None,
         )
+    [job] = registry.job_queue.claim_due_jobs("test", {"CPU": 1}, lease_s=60)
+    validated = JobOutcome(succeeded=True, metrics={name: 9.0 for name in WIDE})
+    assert registry.job_queue.finish_job(job.job_id, job.lease_token, validated)
     return "/ui/api/runs/wide"
 
 
@@ -124,8 +135,10 @@ def test_the_run_data_counts_every_metric_and_names_those_it_omits(api, wide_run
     assert page["metrics_total"] == len(WIDE) + 1
     assert page["metrics_shown"] == shown and list(page["series"]) == shown
     assert page["metrics_omitted"] == [*WIDE[data.METRICS_PER_PAGE :], "phase"]
-    # Each checkpoint carries the values of the metrics shown only.
+    # Each checkpoint and job carries the values of the metrics shown only.
     assert [list(c["metrics"]) for c in page["checkpoints"]] == [shown] * 3
+    assert list(page["checkpoints"][0]["validated_metrics"]) == shown
+    assert [list(job["result_metrics"]) for job in page["jobs"]] == [shown]
     assert page["metrics_cap"] == data.MAX_METRICS_PER_PAGE
 
     every = api.get(wide_run, params={"max_metrics": 500}).json()
@@ -155,3 +168,14 @@ def test_security_md_states_the_caps_the_code_applies():
         f"the first {data.METRICS_PER_PAGE} the run reported",
     ):
         assert stated in caps, stated
+
+
+def test_json_columns_skip_the_non_finite_walk_only_when_there_is_none():
+    from validation_service.registry._engine import json_dumps, json_loads
+
+    stored = json_dumps({"loss": [math.nan, math.inf, -math.inf], "acc": 0.5, "note": "NaNs"})
+    for raw in (stored, stored.encode()):  # SQLite gives text, psycopg bytes
+        decoded = json_loads(raw)
+        assert math.isnan(decoded["loss"][0]) and decoded["loss"][1:] == [math.inf, -math.inf]
+        assert decoded["acc"] == 0.5 and decoded["note"] == "NaNs"
+    assert json_loads(b'{"acc": 0.5, "phase": "warmup"}') == {"acc": 0.5, "phase": "warmup"}

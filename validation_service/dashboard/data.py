@@ -109,8 +109,8 @@ class MetricChoice:
 def run_json(
     registry: Registry, run: str, base: str, choice: MetricChoice | None = None
 ) -> dict[str, Any]:
-    """One run: its record, a series per metric shown, its checkpoints (with the values
-    of the metrics shown) and its jobs, and its stop policy with the latest decision of
+    """One run: its record, a series per metric shown, its checkpoints and its jobs (with
+    the values of the metrics shown), and its stop policy with the latest decision of
     its latest attempt (the plots mark it). ``metrics_total`` counts the run's metrics,
     ``metrics_omitted`` names those not shown."""
     choice = (choice or MetricChoice()).check()
@@ -132,7 +132,7 @@ def run_json(
         "now": now_iso(),  # running jobs' bars end here on the timeline
         "series": series_by_metric(checkpoints, shown),
         "checkpoints": [_with_metrics(labelled_checkpoint_json(c), kept) for c in checkpoints],
-        "jobs": [job_json(job) for job in jobs],
+        "jobs": [_with_result_metrics(job_json(job), kept) for job in jobs],
         "stop_policy": stop_policy_json(registry.stop_policy(run)),
         "stop_decision": stop_decision_json(registry.stop_decision(run)),
     }
@@ -144,6 +144,13 @@ def _with_metrics(checkpoint: dict[str, Any], kept: set[str]) -> dict[str, Any]:
         if checkpoint[key] is not None:
             checkpoint[key] = {k: v for k, v in checkpoint[key].items() if k in kept}
     return checkpoint
+
+
+def _with_result_metrics(job: dict[str, Any], kept: set[str]) -> dict[str, Any]:
+    """A job's JSON with the validated values of the ``kept`` metrics only."""
+    if job["result_metrics"] is not None:
+        job["result_metrics"] = {k: v for k, v in job["result_metrics"].items() if k in kept}
+    return job
 
 
 def metric_names(checkpoints: list[CheckpointRecord]) -> list[str]:
