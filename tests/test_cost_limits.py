@@ -5,6 +5,9 @@ grows linearly with its checkpoints and the metrics it shows (the rest counted a
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -179,3 +182,18 @@ def test_json_columns_skip_the_non_finite_walk_only_when_there_is_none():
         assert math.isnan(decoded["loss"][0]) and decoded["loss"][1:] == [math.inf, -math.inf]
         assert decoded["acc"] == 0.5 and decoded["note"] == "NaNs"
     assert json_loads(b'{"acc": 0.5, "phase": "warmup"}') == {"acc": 0.5, "phase": "warmup"}
+
+
+def test_benchmark_run_page_smoke(tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "benchmarks/bench_run_page.py", "--smoke", "--backends", "sqlite"],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo), "CKVAL_HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| sqlite |")]
+    assert len(rows) == 4  # data and page, by default and with max_metrics=500
