@@ -66,7 +66,11 @@ def _checkpoint(index: int, metrics: dict) -> CheckpointRecord:
     """A run page's checkpoint as the registry returns it (only what series read)."""
     fields = {name: None for name in CheckpointRecord.__dataclass_fields__}
     fields.update(
-        report_index=index, reported_metrics=metrics, validated_metrics={}, metrics=metrics
+        report_index=index,
+        reported_metrics=metrics,
+        validated_metrics={},
+        metrics=metrics,
+        evaluations={},
     )
     return CheckpointRecord(**fields)
 

@@ -629,3 +629,37 @@ def test_benchmark_dashboard_smoke(tmp_path: Path):
     rows = [line for line in result.stdout.splitlines() if line.startswith("| sqlite |")]
     assert len(rows) == 9  # every endpoint, and the first /metrics scrape
     assert any("| /metrics |" in row for row in rows)
+
+
+def test_run_page_plots_two_validators_of_one_metric_and_picks_one(tmp_path: Path, page):
+    """A run validated by report()'s own validator and re-validated by two named ones:
+    each accuracy plot draws report()'s line and a dashed line per named validator; the
+    picker keeps one of them, and the checkpoints' table lists every validator's values."""
+    registry = Registry(f"sqlite:///{tmp_path}/registry.db")
+    jobs = _register(registry, tmp_path, "evals", [0.9, 0.7, 0.6])
+    _finish(registry, {job: _validated(a) for job, a in zip(jobs, [0.5, 0.6, 0.7], strict=True)})
+    for validator, offset in (("v2", 0.2), ("mmlu", -0.3)):
+        named = registry.revalidate("evals", "json:dumps", validator=validator)
+        _finish(registry, {job: _validated(0.5 + offset + 0.1 * i) for i, job in enumerate(named)})
+    with _serving(registry) as url:
+        page.goto(f"{url}/ui/runs/evals")
+        page.wait_for_selector(".plot[data-metric='accuracy'] canvas")
+        plot = ".plot[data-metric='accuracy']"
+        assert page.get_attribute(plot, "data-validators") == "mmlu,v2"
+        assert _series(page, "accuracy", 2) == [0.5, 0.6, 0.7]  # report()'s validation
+        assert [round(v, 3) for v in _series(page, "accuracy", 3)] == [0.2, 0.3, 0.4]  # mmlu
+        assert [round(v, 3) for v in _series(page, "accuracy", 4)] == [0.7, 0.8, 0.9]  # v2
+        row = "#checkpoints tr[data-report='2'] .evaluation"
+        assert page.eval_on_selector_all(row, "rows => rows.map(r => r.textContent)") == [
+            "mmlu: accuracy=0.4",
+            "v2: accuracy=0.9",
+        ]
+
+        page.select_option("#validator-choice", "v2")
+        _wait_for(page, 'document.querySelector("' + plot + "\").dataset.validators === 'v2'")
+        assert [round(v, 3) for v in _series(page, "accuracy", 3)] == [0.7, 0.8, 0.9]
+        assert "validator=v2" in page.url
+        page.reload()
+        page.wait_for_selector(".plot[data-metric='accuracy'] canvas")
+        assert page.get_attribute(plot, "data-validators") == "v2"
+    registry.close()

@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import quote
 
 from validation_service.errors import InvalidInput
-from validation_service.jobs import JobStatus
+from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus
 from validation_service.registry.records import CheckpointRecord
 from validation_service.registry.registry import Registry
 from validation_service.registry.stats import Mode, RunPage, default_mode
@@ -131,6 +131,7 @@ def run_json(
         "active_jobs": sum(1 for job in jobs if job.status in _ACTIVE),
         "now": now_iso(),  # running jobs' bars end here on the timeline
         "series": series_by_metric(checkpoints, shown),
+        "validators": named_validators(checkpoints),
         "checkpoints": [_with_metrics(labelled_checkpoint_json(c), kept) for c in checkpoints],
         "jobs": [_with_result_metrics(job_json(job), kept) for job in jobs],
         "stop_policy": stop_policy_json(registry.stop_policy(run)),
@@ -143,7 +144,22 @@ def _with_metrics(checkpoint: dict[str, Any], kept: set[str]) -> dict[str, Any]:
     for key in ("metrics", "reported_metrics", "validated_metrics"):
         if checkpoint[key] is not None:
             checkpoint[key] = {k: v for k, v in checkpoint[key].items() if k in kept}
+    evaluations = checkpoint.get("evaluations") or {}
+    checkpoint["evaluations"] = {  # "default" is validated_metrics already
+        validator: {k: v for k, v in metrics.items() if k in kept}
+        for validator, metrics in evaluations.items()
+        if validator != DEFAULT_VALIDATOR
+    }
     return checkpoint
+
+
+def named_validators(checkpoints: list[CheckpointRecord]) -> list[str]:
+    """The validators other than report()'s own ("default") with results in the run."""
+    names: set[str] = set()
+    for c in checkpoints:
+        names.update(c.evaluations)
+    names.discard(DEFAULT_VALIDATOR)
+    return sorted(names)
 
 
 def _with_result_metrics(job: dict[str, Any], kept: set[str]) -> dict[str, Any]:
@@ -159,6 +175,8 @@ def metric_names(checkpoints: list[CheckpointRecord]) -> list[str]:
     names: dict[str, None] = {}
     for c in checkpoints:
         names.update(dict.fromkeys(c.reported_metrics))
+        for metrics in c.evaluations.values():  # "default" (validated) and named ones
+            names.update(dict.fromkeys(metrics))
         names.update(dict.fromkeys(c.validated_metrics or {}))
     return list(names)
 
@@ -178,7 +196,8 @@ def series_by_metric(
         reported = [_finite(c.reported_metrics.get(name)) for c in checkpoints]
         validated = [_finite((c.validated_metrics or {}).get(name)) for c in checkpoints]
         merged = [_finite(c.metrics.get(name)) for c in checkpoints]
-        if all(v is None for v in (*reported, *validated, *merged)):
+        by_validator = _named_values(checkpoints, name)
+        if all(v is None for v in (*reported, *validated, *merged)) and not by_validator:
             continue  # nothing to plot: shown in the checkpoints' table only
         best = _best_index(merged, mode)
         series[name] = {
@@ -186,9 +205,21 @@ def series_by_metric(
             "x": x,
             "reported": reported,
             "validated": validated,
+            "validators": by_validator,
             "best": None if best is None else {"report_index": x[best], "value": merged[best]},
         }
     return series
+
+
+def _named_values(checkpoints: list[CheckpointRecord], name: str) -> dict[str, list]:
+    """Named validator -> its values of the metric over report index, where it has any."""
+    found: dict[str, list] = {}
+    for i, c in enumerate(checkpoints):
+        for validator, metrics in c.evaluations.items():
+            value = _finite(metrics.get(name))
+            if validator != DEFAULT_VALIDATOR and value is not None:
+                found.setdefault(validator, [None] * len(checkpoints))[i] = value
+    return dict(sorted(found.items()))
 
 
 def compare_json(

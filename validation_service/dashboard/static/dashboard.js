@@ -204,8 +204,16 @@
   }
 
   // ----------------------------------------------------------------- run page
+  // The named validators a plot draws beside report()'s own: the one picked, or all.
+  function drawnValidators(series) {
+    const picked = ckval.validator;
+    return Object.keys(series.validators || {}).filter((v) => !picked || v === picked);
+  }
+
   function metricPlot(container, name, series) {
     const box = el("div", { class: "plot", "data-metric": name });
+    const named = drawnValidators(series);
+    box.dataset.validators = named.join(",");
     const title = el("h3", {}, name, " ", el("span", { class: "best" }));
     box.append(title);
     container.append(box);
@@ -221,6 +229,9 @@
           points: { show: true, size: 5 } },
         { label: "validated", stroke: COLORS[0], width: 2, spanGaps: true,
           points: { show: true, size: 6 } },
+        ...named.map((validator, i) => ({
+          label: `validated (${validator})`, stroke: COLORS[(i + 2) % COLORS.length], width: 2,
+          dash: [6, 3], spanGaps: true, points: { show: true, size: 6 } })),
         { label: "best", stroke: "#dc2626", width: 0, paths: () => null,
           points: { show: true, size: 13, width: 2, stroke: "#dc2626", fill: "transparent" } },
       ],
@@ -286,7 +297,8 @@
   function plotData(series) {
     const best = series.x.map((index) =>
       series.best && index === series.best.report_index ? series.best.value : null);
-    return [series.x, series.reported, series.validated, best];
+    const named = drawnValidators(series).map((v) => series.validators[v]);
+    return [series.x, series.reported, series.validated, ...named, best];
   }
 
   function runPage(run) {
@@ -312,6 +324,13 @@
       for (const name of names) {
         const series = data.series[name];
         let plot = ckval.plots[name];
+        if (plot && plot.root.parentNode.dataset.validators !== drawnValidators(series).join(",")) {
+          const box = plot.root.parentNode;  // other validators to draw: a plot of its own
+          plot.destroy();
+          const fresh = metricPlot(plots, name, series);
+          box.replaceWith(fresh.root.parentNode);
+          plot = ckval.plots[name] = fresh;
+        }
         if (!plot) {
           if (!Object.keys(ckval.plots).length) plots.replaceChildren();
           plot = ckval.plots[name] = metricPlot(plots, name, series);
@@ -380,7 +399,11 @@
           el("td", { class: "num" }, fmt(c.step)),
           el("td", {}, status(c.validation_status)),
           el("td", { class: "metrics" }, Object.entries(c.metrics)
-            .map(([key, value]) => `${key}=${fmt(value)}`).join("  ")),
+            .map(([key, value]) => `${key}=${fmt(value)}`).join("  "),
+          Object.entries(c.evaluations || {}).filter(([v]) => v !== "default")
+            .map(([v, metrics]) => el("div", { class: "evaluation", "data-validator": v },
+              `${v}: ` + Object.entries(metrics)
+                .map(([key, value]) => `${key}=${fmt(value)}`).join("  ")))),
           el("td", {}, c.aliases.map((alias) => el("span", { class: "chip" }, alias))),
           el("td", {}, Object.entries(c.tags).map(([key, value]) =>
             el("span", { class: "chip tag" }, `${key}=${value}`))),
@@ -466,9 +489,29 @@
       node.textContent = parts.join(" ");
     }
 
+    // Named evaluations (revalidate): draw all of them beside report()'s, or the one picked.
+    const validatorChoice = document.getElementById("validator-choice");
+    ckval.validator = params.get("validator") || "";
+    function drawValidatorChoice(data) {
+      document.getElementById("validator-picker").hidden = !data.validators.length;
+      const options = ["", ...data.validators];
+      if (validatorChoice.dataset.options === options.join(",")) return;
+      validatorChoice.dataset.options = options.join(",");
+      validatorChoice.replaceChildren(...options.map((v) => el("option",
+        { value: v, selected: v === ckval.validator }, v ? `default and ${v}` : "all validators")));
+    }
+    validatorChoice.addEventListener("change", () => {
+      ckval.validator = validatorChoice.value;
+      if (ckval.validator) params.set("validator", ckval.validator);
+      else params.delete("validator");
+      history.replaceState(null, "", params.toString() ? `?${params}` : location.pathname);
+      drawPlots(ckval.data);
+    });
+
     function draw(data) {
       drawStopNote(data);
       drawMetricChoice(data);
+      drawValidatorChoice(data);
       drawPlots(data);
       drawTimeline(data);
       drawTables(data);
