@@ -297,3 +297,46 @@ def test_the_queue_hands_out_live_jobs_first_and_keeps_a_slot_for_them(
     assert [c.job_id for c in claimed] == [live.id, *backlog[:2]]
     assert reg.job_queue.claim_due_jobs("test", {"CPU": 4}, lease_s=60) == []
     assert [c.job_id for c in reg.job_queue.claim_due_jobs("test", {"CPU": 1}, lease_s=60)] == []
+
+
+def test_a_registered_folder_on_s3_is_downloaded_and_evaluated(registry, tmp_path, unique_run):
+    """register() takes any fsspec URI: a folder on S3 (moto's server on loopback), read
+    with the settings' storage options while the storage itself is a local folder."""
+    import boto3
+
+    from tests.moto_s3 import CREDENTIALS, moto_s3_server
+
+    with moto_s3_server("models") as endpoint:
+        options = {
+            "key": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            "secret": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            "endpoint_url": endpoint,
+            "client_kwargs": {"region_name": CREDENTIALS["AWS_DEFAULT_REGION"]},
+        }
+        url = registry.engine.url.render_as_string(hide_password=False)
+        settings = Settings(
+            home=tmp_path / "home",
+            database_url=url,
+            storage=str(tmp_path / "s"),
+            storage_options=options,
+        )
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            **{k.lower(): v for k, v in CREDENTIALS.items() if "KEY" in k},
+        )
+        s3.put_object(Bucket="models", Key="released/value.json", Body=b'{"value": 0.25}')
+        reg = Registry(settings=settings)
+        try:
+            index = reg.register(unique_run, "s3://models/released")
+            [job_id] = reg.revalidate(
+                unique_run, CommandValidator(program(tmp_path, PROGRAM)), validator="v2"
+            )
+            [job] = settle(reg, settings, [job_id])
+            [record] = reg.checkpoints(unique_run)
+        finally:
+            reg.close()
+
+    assert index == 0 and record.uri == "s3://models/released" and record.size_bytes == 15
+    assert job.status == "SUCCEEDED", job.error_message
+    assert record.evaluations == {"v2": {"score": 0.5, "exact": 1.0}}
