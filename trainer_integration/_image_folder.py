@@ -193,21 +193,5 @@ class S3ImageFolder(FsspecImageFolder):
             extensions=extensions,
         )
 
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        transform: Callable[[Any], Any] | None = None,
-        target_transform: Callable[[int], Any] | None = None,
-        *,
-        storage_options: dict[str, Any] | None = None,
-        extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
-    ) -> FsspecImageFolder:
-        """An image folder at any fsspec URL (``s3://``, ``gs://``, ``file://``, a path)."""
-        return FsspecImageFolder(
-            url,
-            transform,
-            target_transform,
-            storage_options=storage_options,
-            extensions=extensions,
-        )
+    # FsspecImageFolder itself, for any fsspec URL (``s3://``, ``gs://``, ``file://``, a path).
+    from_url = staticmethod(FsspecImageFolder)

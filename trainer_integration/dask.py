@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import importlib
 import json
 import logging
 import os
@@ -38,13 +39,18 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def __getattr__(name: str):
-    # The image folders import torch and Pillow, which launching and results need not.
-    if name in ("S3ImageFolder", "FsspecImageFolder"):
-        from trainer_integration import _image_folder
+# Names of another module, imported on first use: the image folders import torch and
+# Pillow, which launching and results need not.
+_LAZY_NAMES = {
+    "FsspecImageFolder": "trainer_integration._image_folder",
+    "S3ImageFolder": "trainer_integration._image_folder",
+}
 
-        return getattr(_image_folder, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
 
 
 # Results other than checkpoints travel through the Dask scheduler, which keeps the

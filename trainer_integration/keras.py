@@ -79,6 +79,32 @@ def _prefer_legacy_tf_keras() -> bool:
 _prefer_legacy_tf_keras()
 
 
+def _keras_hook(hook: str) -> Callable[..., None]:
+    """The Keras callback method ``on_<hook>``: the epoch or batch index (where the hook
+    has one) and the logs, handed to ``ReportCheckpointCallback._on``."""
+    if hook.startswith("epoch_") or "_batch_" in hook:
+
+        def on_hook(self: ReportCheckpointCallback, index: int, logs: dict | None = None) -> None:
+            self._on(hook, logs)
+
+    else:
+
+        def on_hook(self: ReportCheckpointCallback, logs: dict | None = None) -> None:
+            self._on(hook, logs)
+
+    on_hook.__name__ = f"on_{hook}"
+    on_hook.__qualname__ = f"ReportCheckpointCallback.on_{hook}"
+    return on_hook
+
+
+def _with_keras_hooks(cls: type) -> type:
+    """Gives ``cls`` the Keras callback method of every hook in HOOKS."""
+    for hook in HOOKS:
+        setattr(cls, f"on_{hook}", _keras_hook(hook))
+    return cls
+
+
+@_with_keras_hooks
 class ReportCheckpointCallback:
     """Keras callback that reports metrics and ``model.keras`` checkpoints through ckval.
 
@@ -122,7 +148,8 @@ class ReportCheckpointCallback:
         self.params: dict = {}
         self.validation_data = None
 
-    # -- the Keras callback protocol (Keras 2 and Keras 3 call these) --
+    # -- the Keras callback protocol (Keras 2 and Keras 3 call these; the on_<hook>
+    # methods are made from HOOKS by _with_keras_hooks) --
 
     def set_params(self, params: dict) -> None:
         self.params = params
@@ -139,48 +166,6 @@ class ReportCheckpointCallback:
 
     def _implements_predict_batch_hooks(self) -> bool:
         return self._selects("predict_batch_begin", "predict_batch_end")
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._on("epoch_begin", logs)
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self._on("epoch_end", logs)
-
-    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        self._on("train_batch_begin", logs)
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._on("train_batch_end", logs)
-
-    def on_test_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        self._on("test_batch_begin", logs)
-
-    def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._on("test_batch_end", logs)
-
-    def on_predict_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        self._on("predict_batch_begin", logs)
-
-    def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._on("predict_batch_end", logs)
-
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        self._on("train_begin", logs)
-
-    def on_train_end(self, logs: dict | None = None) -> None:
-        self._on("train_end", logs)
-
-    def on_test_begin(self, logs: dict | None = None) -> None:
-        self._on("test_begin", logs)
-
-    def on_test_end(self, logs: dict | None = None) -> None:
-        self._on("test_end", logs)
-
-    def on_predict_begin(self, logs: dict | None = None) -> None:
-        self._on("predict_begin", logs)
-
-    def on_predict_end(self, logs: dict | None = None) -> None:
-        self._on("predict_end", logs)
 
     # -- reporting --
 

@@ -6,10 +6,11 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
@@ -22,6 +23,33 @@ from validation_service.secrets import ckval_env  # noqa: F401 - also imported f
 
 # More replicas than this only add claim contention on one database.
 MAX_REPLICAS = 16
+
+# What each bounded number setting must be: the test of a value, and the error's words.
+_NUMBER_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
+    **dict.fromkeys(
+        ("lease_s", "poll_interval_s", "delivery_timeout_s"),
+        (lambda value: math.isfinite(value) and value > 0, "must be a positive number of seconds"),
+    ),
+    # 0 is meaningful here: a heartbeat every loop, a retry without waiting.
+    **dict.fromkeys(
+        ("heartbeat_s", "retry_backoff_s", "retry_backoff_max_s"),
+        (
+            lambda value: math.isfinite(value) and value >= 0,
+            "must be a number of seconds, 0 or more",
+        ),
+    ),
+    "replicas": (
+        lambda value: 1 <= value <= MAX_REPLICAS,
+        f"must be 1 to {MAX_REPLICAS} service replicas (2 or 3 keep validations going when "
+        "one is lost)",
+    ),
+    # 0 pauses a pool: its jobs stay queued until it is given a size again.
+    "default_pool_size": (
+        lambda value: value >= 0,
+        "must be 0 (paused) or more (validations at once per pool)",
+    ),
+    "http_port": (lambda value: 0 <= value <= 65535, "must be a TCP port from 0 to 65535"),
+}
 
 # Settings given as JSON objects, with an example for the error that says how.
 _JSON_OBJECT_EXAMPLES = {
@@ -95,39 +123,12 @@ class Settings(BaseSettings):
         except SettingsError as exc:
             raise InvalidSettings(_parsing_message(exc)) from None
 
-    @field_validator("lease_s", "poll_interval_s", "delivery_timeout_s")
+    @field_validator(*_NUMBER_RULES)
     @classmethod
-    def _positive_seconds(cls, value: float) -> float:
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"must be a positive number of seconds, got {value!r}")
-        return value
-
-    # 0 is meaningful here: a heartbeat every loop, a retry without waiting.
-    @field_validator("heartbeat_s", "retry_backoff_s", "retry_backoff_max_s")
-    @classmethod
-    def _seconds(cls, value: float) -> float:
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"must be a number of seconds, 0 or more, got {value!r}")
-        return value
-
-    @field_validator("replicas")
-    @classmethod
-    def _replica_count(cls, value: int) -> int:
-        if not 1 <= value <= MAX_REPLICAS:
-            raise ValueError(
-                f"must be 1 to {MAX_REPLICAS} service replicas, got {value!r}; "
-                "2 or 3 keep validations going when one is lost"
-            )
-        return value
-
-    # 0 pauses a pool: its jobs stay queued until it is given a size again.
-    @field_validator("default_pool_size")
-    @classmethod
-    def _pool_size(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError(
-                f"must be 0 (paused) or more (validations at once per pool), got {value!r}"
-            )
+    def _within_bounds(cls, value: float, info: ValidationInfo) -> float:
+        allowed, rule = _NUMBER_RULES[info.field_name]
+        if not allowed(value):
+            raise ValueError(f"{rule}, got {value!r}")
         return value
 
     @field_validator("pools")
@@ -142,13 +143,6 @@ class Settings(BaseSettings):
                     'validations at once, e.g. {"A10G": 4, "CPU": 2}'
                 )
         return pools
-
-    @field_validator("http_port")
-    @classmethod
-    def _tcp_port(cls, value: int) -> int:
-        if not 0 <= value <= 65535:
-            raise ValueError(f"must be a TCP port from 0 to 65535, got {value!r}")
-        return value
 
     # Payload signing (validation_service/signing.py) and the modules validate_fn may name.
     secret_key: str | None = Field(default=None, repr=False)

@@ -31,6 +31,19 @@ def pool_for(resources: dict[str, Any]) -> str:
     return "GPU" if resources.get("num_gpus") else "CPU"
 
 
+# validation_request()'s arguments that ValidationRequest takes under the same names, as
+# they are (it checks them itself).
+_STORED_AS_GIVEN = (
+    "priority",
+    "timeout_s",
+    "max_attempts",
+    "retry_on_timeout",
+    "coalesce",
+    "validator",
+    "background",
+)
+
+
 def validation_request(
     validate_fn: Callable[..., dict] | str,
     validate_config: dict | None,
@@ -49,6 +62,7 @@ def validation_request(
 
     Raises InvalidInput naming the bad argument, before anything is stored.
     """
+    arguments = locals()
     fn_ref, fn_pickle, fn_name = _validate_fn_payload(validate_fn)
     config_bytes = _config_payload(validate_config)
     resources = _checked_resources(validate_fn, validation_resources)
@@ -61,13 +75,7 @@ def validation_request(
         validate_fn_pickle=fn_pickle,
         validate_config=config_bytes,
         resources=resources,
-        priority=priority,
-        timeout_s=timeout_s,
-        max_attempts=max_attempts,
-        retry_on_timeout=retry_on_timeout,
-        coalesce=coalesce,
-        validator=validator,
-        background=background,
+        **{name: arguments[name] for name in _STORED_AS_GIVEN},
     )
 
 

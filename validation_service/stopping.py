@@ -350,13 +350,8 @@ def _diverged(
     best_index: int | None,
 ) -> Verdict | None:
     if not math.isfinite(value):
-        return Verdict(
-            "divergence",
-            seen.report_index,
-            f"{policy.metric} is {value} at report {seen.report_index}",
-            ((seen.report_index, value),),
-            best,
-        )
+        reason = f"{policy.metric} is {value} at report {seen.report_index}"
+        return _verdict_on_value("divergence", seen, value, reason, best)
     if best is None or best_index is None:
         return None
     factor = policy.divergence or 1.0
@@ -376,6 +371,13 @@ def _diverged(
     )
 
 
+def _verdict_on_value(
+    rule: str, seen: Observation, value: float, reason: str, reference: float | None
+) -> Verdict:
+    """The verdict of a rule that looked at one checkpoint's value alone."""
+    return Verdict(rule, seen.report_index, reason, ((seen.report_index, value),), reference)
+
+
 def _as_good_as(mode: str, value: float, other: float) -> bool:
     """Whether ``value`` is at least as good as ``other`` (max: >=, min: <=)."""
     return value >= other if mode == "max" else value <= other
@@ -387,14 +389,11 @@ def _reached(policy: StopPolicy, seen: Observation, value: float) -> Verdict | N
     if not _as_good_as(policy.mode, value, target):
         return None
     sign = ">=" if policy.mode == "max" else "<="
-    return Verdict(
-        "threshold",
-        seen.report_index,
+    reason = (
         f"{policy.metric} {value:g} at report {seen.report_index} reached the target "
-        f"({sign} {target:g})",
-        ((seen.report_index, value),),
-        target,
+        f"({sign} {target:g})"
     )
+    return _verdict_on_value("threshold", seen, value, reason, target)
 
 
 def _out_of_patience(policy: StopPolicy, seen: Observation, progress: _Progress) -> Verdict | None:
@@ -433,11 +432,8 @@ def _below_median(
     median, count = found
     if _as_good_as(policy.mode, value, median):
         return None
-    return Verdict(
-        "median_of_runs",
-        seen.report_index,
+    reason = (
         f"{policy.metric} {value:g} at step {seen.position} (report {seen.report_index}) is "
-        f"worse than the median {median:g} of {count} earlier run(s) at that step",
-        ((seen.report_index, value),),
-        median,
+        f"worse than the median {median:g} of {count} earlier run(s) at that step"
     )
+    return _verdict_on_value("median_of_runs", seen, value, reason, median)

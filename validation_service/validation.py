@@ -65,8 +65,8 @@ def check_max_attempts(max_attempts: Any) -> int:
     return max_attempts
 
 
-def check_timeout_s(timeout_s: Any) -> float | None:
-    """None, or a positive finite number of seconds."""
+def check_timeout_s(timeout_s: Any, what: str = "timeout_s") -> float | None:
+    """None, or a positive finite number of seconds (``what`` names it in the error)."""
     if timeout_s is None:
         return None
     if (
@@ -76,9 +76,9 @@ def check_timeout_s(timeout_s: Any) -> float | None:
         or timeout_s <= 0
     ):
         raise InvalidInput(
-            f"timeout_s must be a positive number of seconds or None, got {_preview(timeout_s)}"
+            f"{what} must be a positive number of seconds or None, got {_preview(timeout_s)}"
         )
-    return timeout_s
+    return float(timeout_s)
 
 
 def check_resources(resources: Any) -> dict[str, Any]:

@@ -8,18 +8,11 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from validation_service.jobs import JobStatus
-from validation_service.registry.records import (
-    AttemptRecord,
-    CheckpointRecord,
-    JobRecord,
-    RunRecord,
-    RunSummary,
-    StopDecision,
-)
 from validation_service.secrets import mask_url, mask_value
 
 if TYPE_CHECKING:
     from validation_service.config import Settings
+    from validation_service.registry import records
     from validation_service.stopping import StopPolicy
 
 logger = logging.getLogger(__name__)
@@ -68,7 +61,7 @@ def _pick(record: Any, fields: str, **renamed: str) -> dict[str, Any]:
     return picked
 
 
-def run_record_json(run: RunRecord) -> dict[str, Any]:
+def run_record_json(run: records.RunRecord) -> dict[str, Any]:
     return {
         **_pick(run, "id name namespace status created_at"),
         # A tag recorded by an older ckval may hold a tracker's credentials: never served.
@@ -77,7 +70,7 @@ def run_record_json(run: RunRecord) -> dict[str, Any]:
     }
 
 
-def run_json(summary: RunSummary) -> dict[str, Any]:
+def run_json(summary: records.RunSummary) -> dict[str, Any]:
     counts = summary.job_counts
     return {
         **run_record_json(summary.run),
@@ -94,7 +87,7 @@ def stop_policy_json(policy: StopPolicy | None) -> dict[str, Any] | None:
     return {**policy.to_dict(), "description": policy.describe()}
 
 
-def stop_decision_json(decision: StopDecision | None) -> dict[str, Any] | None:
+def stop_decision_json(decision: records.StopDecision | None) -> dict[str, Any] | None:
     """A stop decision: the rule, the checkpoint and values that decided, the policy of
     the moment, the checkpoints passed over, and the override (``stopped`` false)."""
     if decision is None:
@@ -111,7 +104,7 @@ def stop_decision_json(decision: StopDecision | None) -> dict[str, Any] | None:
     }
 
 
-def checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
+def checkpoint_json(record: records.CheckpointRecord) -> dict[str, Any]:
     """The checkpoint; with ``evaluations`` (validator -> metrics) where they were read."""
     found = _pick(
         record,
@@ -123,7 +116,7 @@ def checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
     return found
 
 
-def labelled_checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
+def labelled_checkpoint_json(record: records.CheckpointRecord) -> dict[str, Any]:
     """``checkpoint_json`` with the checkpoint's aliases and tags, and when it was deleted:
     the registry commands, the registry routes and the dashboard show these."""
     return {
@@ -134,7 +127,7 @@ def labelled_checkpoint_json(record: CheckpointRecord) -> dict[str, Any]:
     }
 
 
-def attempt_json(attempt: AttemptRecord) -> dict[str, Any]:
+def attempt_json(attempt: records.AttemptRecord) -> dict[str, Any]:
     return _pick(
         attempt,
         "attempt status lease_owner node_id worker_pid claimed_at started_at finished_at error log",
@@ -142,7 +135,7 @@ def attempt_json(attempt: AttemptRecord) -> dict[str, Any]:
     )
 
 
-def job_json(job: JobRecord) -> dict[str, Any]:
+def job_json(job: records.JobRecord) -> dict[str, Any]:
     return {
         **_pick(
             job,

@@ -16,10 +16,12 @@ its ``ckval.run_key`` tag). Needs ``pip install 'ckval[mlflow]'``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import ClassVar
 
 from validation_service.secrets import without_credentials
 from validation_service.sinks import ValidatedMetrics
@@ -27,28 +29,29 @@ from validation_service.sinks import ValidatedMetrics
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(eq=False, repr=False)  # no repr: a tracking URI may hold a password
 class MlflowSink:
-    kind = "mlflow"
+    kind: ClassVar[str] = "mlflow"
 
-    def __init__(
-        self,
-        tracking_uri: str | None = None,
-        experiment: str = "ckval",
-        prefix: str = "",
-        allowed_tracking_uris: Sequence[str] = (),
-        allowed_experiments: Sequence[str] = (),
-    ):
+    tracking_uri: str | None = None
+    experiment: str = "ckval"
+    prefix: str = ""
+    allowed_tracking_uris: Sequence[str] = ()
+    allowed_experiments: Collection[str] = ()
+    # (tracking URI, recorded run id, namespace, ckval run) -> whether it may be used
+    _run_allowed: dict[tuple[str, str, str, str], bool] = dataclasses.field(
+        default_factory=dict, init=False
+    )
+    # (tracking URI, namespace, ckval run) -> the MLflow run named after it
+    _named_runs: dict[tuple[str, str, str], str] = dataclasses.field(
+        default_factory=dict, init=False
+    )
+
+    def __post_init__(self) -> None:
         import mlflow  # noqa: F401 - fails here, at build time, when the extra is missing
 
-        self.tracking_uri = tracking_uri
-        self.experiment = experiment
-        self.prefix = prefix
-        self.allowed_tracking_uris = tuple(allowed_tracking_uris)
-        self.allowed_experiments = frozenset(allowed_experiments)
-        # (tracking URI, recorded run id, namespace, ckval run) -> whether it may be used
-        self._run_allowed: dict[tuple[str, str, str, str], bool] = {}
-        # (tracking URI, namespace, ckval run) -> the MLflow run named after it
-        self._named_runs: dict[tuple[str, str, str], str] = {}
+        self.allowed_tracking_uris = tuple(self.allowed_tracking_uris)
+        self.allowed_experiments = frozenset(self.allowed_experiments)
 
     def log(self, batch: Sequence[ValidatedMetrics]) -> dict[int, list[str]]:
         """Logs the batch; returns the warnings of the validations logged elsewhere than

@@ -13,40 +13,36 @@ the run under ``dir`` (or ``WANDB_DIR``) for ``wandb sync``. Needs ``pip install
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Collection, Sequence
+from typing import Any, ClassVar
 
 from validation_service.sinks import STEP_KEY, ValidatedMetrics
 
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(eq=False)
 class WandbSink:
-    kind = "wandb"
+    kind: ClassVar[str] = "wandb"
 
-    def __init__(
-        self,
-        project: str | None = None,
-        entity: str | None = None,
-        prefix: str = "",
-        mode: str | None = None,
-        dir: str | None = None,  # noqa: A002 - wandb.init's own name for it
-        allowed_entities: Sequence[str] = (),
-    ):
+    project: str | None = None
+    entity: str | None = None
+    prefix: str = ""
+    mode: str | None = None
+    dir: str | None = None  # wandb.init's own name for it
+    allowed_entities: Collection[str] = ()
+    # Runs stay open between batches (the dispatcher closes them once idle): each
+    # resume of a run is a new session, and offline sessions of one run started in
+    # the same second would share, and overwrite, one folder.
+    _open: dict[str, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
         import wandb  # noqa: F401 - fails here, at build time, when the extra is missing
 
-        self.project = project
-        self.entity = entity
-        self.prefix = prefix
-        self.mode = mode
-        self.dir = dir
-        self.allowed_entities = frozenset(allowed_entities)
-        # Runs stay open between batches (the dispatcher closes them once idle): each
-        # resume of a run is a new session, and offline sessions of one run started in
-        # the same second would share, and overwrite, one folder.
-        self._open: dict[str, Any] = {}
+        self.allowed_entities = frozenset(self.allowed_entities)
 
     def log(self, batch: Sequence[ValidatedMetrics]) -> dict[int, list[str]]:
         """Logs the batch; returns the warnings of the validations logged elsewhere than

@@ -21,7 +21,6 @@ the argv, env and timeout as its validate_config, signed like any payload.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -30,7 +29,7 @@ from typing import Any
 
 from validation_service.context import current_validation
 from validation_service.errors import InvalidInput, PermanentValidationError, ValidationTimedOut
-from validation_service.validation import check_resources
+from validation_service.validation import check_resources, check_timeout_s
 
 REFERENCE = "validation_service.validators.command:run_command"
 PLACEHOLDERS = ("{checkpoint_dir}", "{output_dir}", "{step}", "{result_path}")
@@ -58,7 +57,7 @@ class CommandValidator:
     ):
         self.argv = _checked_argv(argv)
         self.env = _checked_env(env)
-        self.timeout_s = _checked_timeout(timeout_s)
+        self.timeout_s = check_timeout_s(timeout_s, "CommandValidator's timeout_s")
         self.validation_resources = (
             dict(check_resources(validation_resources)) if validation_resources else None
         )
@@ -241,19 +240,3 @@ def _checked_env(env: Any) -> dict[str, str]:
     ):
         raise InvalidInput(f"CommandValidator's env must be a dict of str -> str, got {env!r}")
     return dict(env)
-
-
-def _checked_timeout(timeout_s: Any) -> float | None:
-    if timeout_s is None:
-        return None
-    if (
-        isinstance(timeout_s, bool)
-        or not isinstance(timeout_s, (int, float))
-        or not math.isfinite(timeout_s)
-        or timeout_s <= 0
-    ):
-        raise InvalidInput(
-            f"CommandValidator's timeout_s must be a positive number of seconds or None, "
-            f"got {timeout_s!r}"
-        )
-    return float(timeout_s)
