@@ -100,7 +100,7 @@ from _common import fresh_ckval_home, load_average, pickle_by_value, run_descrip
 from torch import nn
 
 from validation_service._ray_compat import native_validation
-from validation_service.demo import load_digits_split, make_model
+from validation_service.cli.demo import load_digits_split, make_model
 
 SEED = 0
 LR = 0.1

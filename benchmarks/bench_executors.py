@@ -2,14 +2,14 @@
 MapBatchesValidator, TorchTrainerValidator) on the same checkpoint and data, CPU only:
 checkpoints validated per minute.
 
-One MLP checkpoint (``validation_service.demo.make_model``) is trained briefly on the
+One MLP checkpoint (``validation_service.cli.demo.make_model``) is trained briefly on the
 driver on scikit-learn's digits and saved as ``model.pt``. For each executor, in turn,
 N copies of it are reported with ``trainer_integration.Client(run).report(...)`` to the
 ckval service (embedded default: local Ray, SQLite and a local folder under a fresh
 temporary CKVAL_HOME), and the driver waits with ``Registry().wait(run)``. Every
 executor scores the same held-out digits (25% of the set, 450 rows):
 
-- ``ray task``: ``validation_service.demo.validate_digits``, a plain validate_fn that
+- ``ray task``: ``validation_service.cli.demo.validate_digits``, a plain validate_fn that
   computes accuracy with torchmetrics, in one Ray task with 1 CPU;
 - ``MapBatchesValidator``: a predictor class over a ``ray.data`` Dataset of the held-out
   rows (``--map-batches-actors`` actors of 1 CPU), its "correct" column averaged;
@@ -61,7 +61,7 @@ import torch
 from _common import fresh_ckval_home, load_average, pickle_by_value, run_description
 from torch import nn
 
-from validation_service.demo import load_digits_split, make_model, validate_digits
+from validation_service.cli.demo import load_digits_split, make_model, validate_digits
 
 EXECUTORS = ("ray-task", "map-batches", "torch-trainer")
 SEED = 0
@@ -428,8 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from validation_service import Registry, ValidationService
+    from validation_service.cli.demo import HIDDEN
     from validation_service.config import ckval_env
-    from validation_service.demo import HIDDEN
 
     checkpoint_dir = train_checkpoint(workdir / "checkpoint", args.train_epochs)
     reference = reference_accuracy(checkpoint_dir)

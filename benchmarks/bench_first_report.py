@@ -57,7 +57,7 @@ from _common import fresh_ckval_home, load_average, pickle_by_value, run_descrip
 from bench_async_validation import _batch_indices, validate_checkpoint
 from torch import nn
 
-from validation_service.demo import load_digits_split, make_model
+from validation_service.cli.demo import load_digits_split, make_model
 
 WAYS = ("native", "ckval-async", "ckval-sync", "ckval-top", "plain", "dropin", "dropin-top")
 MODES = {"ckval-async": "ASYNC", "ckval-sync": "SYNC", "ckval-top": "ASYNC"}

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from ray.train import Checkpoint
 
 from trainer_integration.lightning import CHECKPOINT_NAME, ReportCheckpointCallback
-from validation_service.demo import load_digits_split, make_model
+from validation_service.cli.demo import load_digits_split, make_model
 
 
 class DigitsClassifier(pl.LightningModule):

@@ -10,7 +10,7 @@ from typing import Any
 import click
 from sqlalchemy import delete
 
-from validation_service.cli_registry import COMMANDS
+from validation_service.cli.registry import COMMANDS
 from validation_service.registry import retention
 from validation_service.registry.models import RetentionPolicy, utcnow
 from validation_service.registry.records import JobOutcome

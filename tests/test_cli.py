@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from validation_service._format import format_time
 from validation_service.cli import EXIT_NOT_RUNNING, EXIT_USAGE, main
+from validation_service.cli._format import format_time
 from validation_service.errors import InvalidInput
 from validation_service.metrics import lower_is_better
 from validation_service.registry.records import JobOutcome

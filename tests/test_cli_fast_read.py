@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.registry_world import delete_checkpoint
-from validation_service import cli_common
+from validation_service.cli import common as cli_common
 from validation_service.cli import main
 from validation_service.config import Settings, get_settings
 from validation_service.registry import _fast_read

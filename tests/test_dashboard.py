@@ -25,8 +25,8 @@ from fastapi.testclient import TestClient
 from validation_service import StopPolicy
 from validation_service.api import create_app
 from validation_service.cli import main as ckval_main
+from validation_service.cli.ui import ui_command
 from validation_service.config import Settings
-from validation_service.dashboard.cli import ui_command
 from validation_service.registry.records import JobOutcome
 from validation_service.registry.registry import Registry
 from validation_service.request import ValidationRequest
@@ -591,7 +591,7 @@ def _ckval_ui(tmp_path: Path, host: str, env: dict[str, str]):
         "CKVAL_DATABASE_URL": f"sqlite:///{tmp_path}/registry.db",
         "PYTHONPATH": str(REPO),
     }
-    program = "from validation_service.dashboard.cli import ui_command; ui_command()"
+    program = "from validation_service.cli.ui import ui_command; ui_command()"
     process = subprocess.Popen(
         [sys.executable, "-c", program, "--host", host, "--port", str(port)],
         env=env,

@@ -90,7 +90,7 @@ def test_ckval_demo(tmp_path):
 
 def test_ckval_demo_exits_non_zero_naming_a_failed_validation(tmp_path):
     program = (
-        "from validation_service.demo import run_demo; "
+        "from validation_service.cli.demo import run_demo; "
         "run_demo(epochs=2, num_workers=1, run_name='demo-fails', fail_epochs={1})"
     )
     out = run([sys.executable, "-c", program], tmp_path, with_stderr=True, returncode=1)

@@ -14,7 +14,7 @@ import ray.cloudpickle
 import torch
 
 from trainer_integration import report, resolve_checkpoint
-from validation_service.demo import load_digits_split, make_model, validate_digits
+from validation_service.cli.demo import load_digits_split, make_model, validate_digits
 from validation_service.registry.registry import Registry
 
 pytestmark = pytest.mark.ray

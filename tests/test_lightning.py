@@ -27,8 +27,8 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from trainer_integration import CheckpointUploadMode
 from trainer_integration.lightning import CHECKPOINT_NAME, ReportCheckpointCallback
+from validation_service.cli.demo import load_digits_split, make_model
 from validation_service.context import current_validation
-from validation_service.demo import load_digits_split, make_model
 from validation_service.errors import InvalidInput, ValidationsFailedWarning
 from validation_service.registry.registry import Registry
 

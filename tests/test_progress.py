@@ -311,7 +311,7 @@ def test_wait_still_raises_timeout_while_jobs_are_active(registry):
 
 # --------------------------------------------------------------------- demo
 def test_demo_exit_message_names_the_failed_validation(registry):
-    from validation_service.demo import exit_message
+    from validation_service.cli.demo import exit_message
 
     ids = register_jobs(registry, 3)
     for _ in range(2):
@@ -323,7 +323,7 @@ def test_demo_exit_message_names_the_failed_validation(registry):
 
 
 def test_demo_exit_message_is_none_when_every_epoch_validated(registry):
-    from validation_service.demo import exit_message
+    from validation_service.cli.demo import exit_message
 
     register_jobs(registry, 2)
     for _ in range(2):

@@ -66,7 +66,7 @@ def validate_sharded_lightning(checkpoint, config) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from trainer_integration.lightning import CHECKPOINT_NAME
-    from validation_service.demo import load_digits_split, make_model
+    from validation_service.cli.demo import load_digits_split, make_model
 
     model = make_model()
     # ModelParallelStrategy saves the module's state under "state_dict".
@@ -156,7 +156,7 @@ def consolidated_accuracy(folder: str, tmp_path) -> float:
     import numpy as np
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from validation_service.demo import load_digits_split
+    from validation_service.cli.demo import load_digits_split
 
     target = tmp_path / f"{os.path.basename(os.path.dirname(folder))}.pt"
     dcp_to_torch_save(folder, str(target))

@@ -85,7 +85,7 @@ def test_an_error_message_is_inert_too(url):
 
 
 def test_inert_keeps_text_and_line_breaks_but_not_control_characters():
-    from validation_service._format import inert
+    from validation_service.cli._format import inert
 
     assert inert(TITLE) == "ok\\x1b]0;TITLE\\x07"
     assert inert("line 1\n\tline 2\r") == "line 1\n\tline 2\\r"

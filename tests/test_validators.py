@@ -19,7 +19,7 @@ from ray.train import Checkpoint, RunConfig, ScalingConfig
 
 from trainer_integration import Client
 from validation_service import _ray_compat
-from validation_service.demo import load_digits_split, make_model
+from validation_service.cli.demo import load_digits_split, make_model
 from validation_service.errors import InvalidInput, PermanentValidationError
 from validation_service.executors.map_batches import MapBatchesValidator
 from validation_service.executors.torch_trainer import (

@@ -34,7 +34,7 @@ from pathlib import Path
 import _harness
 import torch
 
-from validation_service.demo import load_digits_split, make_model, validate_digits
+from validation_service.cli.demo import load_digits_split, make_model, validate_digits
 
 A10G = "A10G"
 A10G_RESOURCE = f"accelerator_type:{A10G}"

@@ -22,7 +22,7 @@ import traceback
 import _harness
 import torch
 
-from validation_service.demo import load_digits_split, make_model, validate_digits
+from validation_service.cli.demo import load_digits_split, make_model, validate_digits
 
 A100, A10G = "A100", "A10G"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from validation_service._format import echo
+from validation_service.cli._format import echo
 
 
 @click.command("ui")

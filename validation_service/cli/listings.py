@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING
 
 import click
 
-from validation_service._format import echo
-from validation_service.cli_common import (
+from validation_service.cli._format import echo
+from validation_service.cli.common import (
     echo_json,
     json_option,
     listing,
     registry_of,
     render_table,
 )
-from validation_service.cli_registry import run_rows, status_option
+from validation_service.cli.registry import run_rows, status_option
 
 if TYPE_CHECKING:
     from validation_service.registry.records import CheckpointRecord
@@ -135,7 +135,7 @@ def _checkpoint_table(
     with_run: bool = False,
     validator: str | None = None,
 ) -> str:
-    from validation_service._format import format_size
+    from validation_service.cli._format import format_size
 
     metrics = metrics or _metric_columns(records, validator)
     headers = ["#", *(["run"] if with_run else []), "report", "validation", *metrics, "size", "uri"]

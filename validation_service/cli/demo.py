@@ -126,7 +126,7 @@ def validate_digits(checkpoint, config: dict[str, Any]) -> dict[str, float]:
 
 
 def _top_checkpoints(registry, run_name: str) -> str:
-    from validation_service._table import render
+    from validation_service.cli._table import render
 
     best = registry.best_checkpoint_records(run_name, metric="accuracy", mode="max", k=3)
     rows = [

@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 
-from validation_service._format import echo
-from validation_service.cli_common import EXIT_FAILURE, registry_of
+from validation_service.cli._format import echo
+from validation_service.cli.common import EXIT_FAILURE, registry_of
 
 
 def _report_indices(value: str | None) -> list[int] | None:

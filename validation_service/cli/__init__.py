@@ -4,9 +4,9 @@ Importing this module loads click and nothing heavy, so that `ckval --help` and 
 registry listings start fast: every command imports what it uses (SQLAlchemy for the
 registry, Ray only to reach the service); the listings (runs, checkpoints, best, jobs)
 read an embedded SQLite registry with sqlite3 alone (registry/_fast_read.py). The
-commands live in their modules (cli_listings, cli_jobs, cli_service, cli_registry,
-cli_stopping, cli_evaluations, cli_db, dashboard/cli) and join here with
-``main.add_command(command)``, following the same rule.
+commands live in this package's modules (listings, jobs, service, registry, stopping,
+evaluations, db, ui) and join here with ``main.add_command(command)``, following the
+same rule.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from typing import Any
 
 import click
 
-from validation_service import (
-    cli_evaluations,
-    cli_jobs,
-    cli_listings,
-    cli_registry,
-    cli_service,
-    cli_stopping,
+from validation_service.cli import (
+    evaluations,
+    jobs,
+    listings,
+    registry,
+    service,
+    stopping,
 )
-from validation_service._format import echo
-from validation_service.cli_common import EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE
-from validation_service.cli_db import db
-from validation_service.dashboard.cli import ui_command
+from validation_service.cli._format import echo
+from validation_service.cli.common import EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE
+from validation_service.cli.db import db
+from validation_service.cli.ui import ui_command
 
 EPILOG = """\b
 Exit status:
@@ -91,16 +91,13 @@ def main(ctx: click.Context, database_url: str | None, namespace: str | None) ->
 
 
 for _command in (
-    *cli_listings.COMMANDS,
-    *cli_jobs.COMMANDS,
-    *cli_service.COMMANDS,
-    *cli_registry.COMMANDS,
-    *cli_stopping.COMMANDS,
-    *cli_evaluations.COMMANDS,
+    *listings.COMMANDS,
+    *jobs.COMMANDS,
+    *service.COMMANDS,
+    *registry.COMMANDS,
+    *stopping.COMMANDS,
+    *evaluations.COMMANDS,
     db,
     ui_command,
 ):
     main.add_command(_command)
-
-if __name__ == "__main__":
-    main()

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from validation_service._format import echo
+from validation_service.cli._format import echo
 
 
 @click.group()

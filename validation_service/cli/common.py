@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from validation_service._format import echo
+from validation_service.cli._format import echo
 
 if TYPE_CHECKING:
     from validation_service.config import Settings
@@ -79,6 +79,6 @@ def echo_json(value: Any) -> None:
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    from validation_service._table import render
+    from validation_service.cli._table import render
 
     return render(headers, rows)

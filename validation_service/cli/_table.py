@@ -6,7 +6,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from validation_service._format import format_value, inert
+from validation_service.cli._format import format_value, inert
 
 
 def render(

@@ -11,9 +11,9 @@ from typing import Any
 
 import click
 
-from validation_service._format import echo, inert
-from validation_service._table import render
-from validation_service.cli_common import registry_of
+from validation_service.cli._format import echo, inert
+from validation_service.cli._table import render
+from validation_service.cli.common import registry_of
 from validation_service.errors import on_ckval_error
 from validation_service.secrets import mask_url
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import click
 
-from validation_service._format import echo
-from validation_service.cli_common import echo_json, json_option, registry_of
-from validation_service.cli_registry import errors_reported
+from validation_service.cli._format import echo
+from validation_service.cli.common import echo_json, json_option, registry_of
+from validation_service.cli.registry import errors_reported
 
 # StopPolicy's rules as options (a type of None: a flag); one left out keeps its default.
 _RULE_OPTIONS = (

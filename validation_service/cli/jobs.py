@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from validation_service._format import echo
-from validation_service.cli_common import (
+from validation_service.cli._format import echo
+from validation_service.cli.common import (
     echo_json,
     json_option,
     listing,
@@ -19,7 +19,7 @@ from validation_service.cli_common import (
     render_table,
     settings_of,
 )
-from validation_service.cli_service import find_service
+from validation_service.cli.service import find_service
 from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ def _job_statuses(values: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _jobs_table(found: Sequence[JobRecord], *, with_run: bool) -> str:
-    from validation_service._format import short_node_id
+    from validation_service.cli._format import short_node_id
 
     rows = []
     for job in found:
@@ -160,7 +160,7 @@ def _watch_jobs(
     RUNNING, or at Ctrl-C (exit status 0 either way)."""
     import datetime as dt
 
-    from validation_service._format import format_mapping, format_time
+    from validation_service.cli._format import format_mapping, format_time
 
     tty = sys.stdout.isatty()
     seen: dict[int, str] | None = None  # job id -> status at the last look
@@ -234,7 +234,7 @@ def _missing_service_note(settings: Settings) -> str | None:
 @click.pass_context
 def job(ctx: click.Context, job_id: int, as_json: bool, show_log: bool) -> None:
     """Show one validation job, its attempts and its stored traceback."""
-    from validation_service._format import format_value, short_node_id
+    from validation_service.cli._format import format_value, short_node_id
 
     registry = registry_of(ctx)
     record = registry.get_job(job_id, namespace=registry.namespace)

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from validation_service._format import echo
-from validation_service.cli_common import EXIT_NOT_RUNNING, echo_json, settings_of
+from validation_service.cli._format import echo
+from validation_service.cli.common import EXIT_NOT_RUNNING, echo_json, settings_of
 
 if TYPE_CHECKING:
     from validation_service.config import Settings
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 @click.option("--run", "run_name", default=None, help="Run name (default: ckval-demo-<time>).")
 def demo(epochs: int, workers: int, run_name: str | None) -> None:
     """Train a small model with TorchTrainer, validate every epoch, print the best."""
-    from validation_service.demo import run_demo
+    from validation_service.cli.demo import run_demo
 
     run_demo(epochs=epochs, num_workers=workers, run_name=run_name)
 
