@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from tests.registry_world import cli_group, delete_checkpoint, finish_validations, report
-from validation_service.api_registry import registry_router
+from validation_service.api.registry import registry_router
 from validation_service.errors import AliasNotFound, InvalidInput
 from validation_service.registry.models import CheckpointAlias
 from validation_service.registry.registry import Registry

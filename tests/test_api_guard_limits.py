@@ -8,8 +8,8 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from validation_service import api_guard
 from validation_service.api import create_app
+from validation_service.api import guard as api_guard
 from validation_service.config import Settings
 from validation_service.registry.registry import Registry
 

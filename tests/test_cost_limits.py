@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 
 from tests.test_fuzz_inputs import RUN, populate
 from validation_service.api import create_app
+from validation_service.api.dashboard import data
 from validation_service.config import Settings
-from validation_service.dashboard import data
 from validation_service.registry import search
 from validation_service.registry.records import CheckpointRecord, JobOutcome
 from validation_service.registry.registry import Registry

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.registry_world import delete_checkpoint
 from validation_service.api import create_app
+from validation_service.api.dashboard.prometheus import RegistryCollector
 from validation_service.config import Settings
-from validation_service.dashboard.prometheus import RegistryCollector
 from validation_service.jobs import JobStatus
 from validation_service.registry.records import JobOutcome
 from validation_service.registry.registry import Registry

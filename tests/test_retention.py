@@ -17,7 +17,7 @@ from tests.registry_world import (
     stored_policies,
 )
 from tests.test_s3 import BUCKET, options_for, s3_endpoint  # noqa: F401 - the moto fixture
-from validation_service.api_registry import registry_router
+from validation_service.api.registry import registry_router
 from validation_service.config import Settings
 from validation_service.errors import InvalidInput, UnknownMetric
 from validation_service.jobs import ValidationStatus

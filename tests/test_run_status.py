@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from trainer_integration import Client
-from validation_service.api_registry import registry_router
+from validation_service.api.registry import registry_router
 from validation_service.cli.registry import run_rows, status_option
 from validation_service.errors import InvalidInput
 from validation_service.registry.registry import Registry

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from tests.registry_world import cli_group, delete_checkpoint, finish_validations, report
-from validation_service.api_registry import registry_router
+from validation_service.api.registry import registry_router
 from validation_service.errors import InvalidInput, InvalidSearch
 from validation_service.registry.registry import Registry
 from validation_service.storage import CheckpointStorage

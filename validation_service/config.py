@@ -243,7 +243,7 @@ class Settings(BaseSettings):
     def pool_size(self, pool: str) -> int:
         return self.pools.get(pool, self.default_pool_size)
 
-    # HTTP API access control (api.py): token, allowed Host headers, retry cap.
+    # HTTP API access control (api/guard.py): token, allowed Host headers, retry cap.
     # Bearer token of every route but /healthz; excluded from dumps and from ckval_env(),
     # so it never travels to Ray.
     api_token: SecretStr | None = Field(default=None, exclude=True)

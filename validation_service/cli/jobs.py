@@ -82,7 +82,7 @@ def jobs(
         return
     found, more = query()
     if as_json:
-        from validation_service.views import job_json
+        from validation_service.api.views import job_json
 
         echo_json([job_json(job) for job in found])
     else:
@@ -242,7 +242,7 @@ def job(ctx: click.Context, job_id: int, as_json: bool, show_log: bool) -> None:
         _echo_logs(record)
         return
     if as_json:
-        from validation_service.views import job_json
+        from validation_service.api.views import job_json
 
         echo_json(job_json(record))
         return
@@ -308,7 +308,7 @@ def cancel(ctx: click.Context, job_ids: tuple[int, ...], run: str | None) -> Non
     """Cancel validation jobs (queued ones never start)."""
     if not job_ids and not run:
         raise click.UsageError("give JOB ids or --run RUN")
-    from validation_service.views import tell_service
+    from validation_service.api.views import tell_service
 
     done = registry_of(ctx).cancel_jobs(_known_jobs(ctx, job_ids), run=run)
     echo(f"cancelled {len(done)} job(s): {done}")
@@ -328,7 +328,7 @@ def retry(ctx: click.Context, job_ids: tuple[int, ...], run: str | None, failed:
     statuses = [JobStatus.FAILED, JobStatus.TIMED_OUT]
     if not failed:
         statuses.append(JobStatus.CANCELLED)
-    from validation_service.views import tell_service
+    from validation_service.api.views import tell_service
 
     done = registry_of(ctx).retry_jobs(_known_jobs(ctx, job_ids), run=run, statuses=statuses)
     echo(f"requeued {len(done)} job(s): {done}")

@@ -30,7 +30,7 @@ def runs(ctx: click.Context, status: str | None, as_json: bool) -> None:
     """List runs (each attempt of a run name) with their checkpoint and validation counts."""
     summaries = listing(ctx, "run_summaries", status=status)
     if as_json:
-        from validation_service.views import run_json
+        from validation_service.api.views import run_json
 
         echo_json([run_json(summary) for summary in summaries])
         return
@@ -108,7 +108,7 @@ def best(
 
 
 def _echo_checkpoints_json(records: Sequence[CheckpointRecord]) -> None:
-    from validation_service.views import checkpoint_json
+    from validation_service.api.views import checkpoint_json
 
     echo_json([checkpoint_json(record) for record in records])
 

@@ -85,7 +85,7 @@ def _records_table(records, metrics: list[str]) -> str:
 
 def _print_records(records, as_json: bool, metrics: list[str] | None = None) -> None:
     if as_json:
-        from validation_service.views import labelled_checkpoint_json
+        from validation_service.api.views import labelled_checkpoint_json
 
         echo(json.dumps([labelled_checkpoint_json(r) for r in records], indent=1, default=str))
         return

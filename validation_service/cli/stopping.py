@@ -49,8 +49,8 @@ def stop_policy_command(
     """Set RUN's early-stopping policy (RUN may not have reported yet: the policy waits for
     it), remove it (--clear), or show it (RUN alone). The service judges it after each
     validated result; `ckval run RUN` shows the decision."""
+    from validation_service.api.views import stop_policy_json
     from validation_service.stopping import StopPolicy
-    from validation_service.views import stop_policy_json
 
     given = {name: value for name, value in rules.items() if value is not None}
     registry = registry_of(ctx)
@@ -88,7 +88,7 @@ def stop_policy_command(
 @errors_reported
 def run_command(ctx: click.Context, run: str, resume: bool, as_json: bool) -> None:
     """Show RUN's latest attempt, its stop policy and its stop decision."""
-    from validation_service.views import iso, stop_decision_json, stop_policy_json
+    from validation_service.api.views import iso, stop_decision_json, stop_policy_json
 
     registry = registry_of(ctx)
     if resume:

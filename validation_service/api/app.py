@@ -1,6 +1,6 @@
 """HTTP API (FastAPI) over the Registry and the running service: runs, checkpoints, jobs.
 
-Access control is one ASGI middleware around the whole app (api_guard.ApiGuard): it covers
+Access control is one ASGI middleware around the whole app (guard.ApiGuard): it covers
 every HTTP and WebSocket route, also those added after ``create_app`` returns.
 """
 
@@ -20,8 +20,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from validation_service.api.dashboard import dashboard_router, metrics_router
+from validation_service.api.dashboard.router import docs_router
+
 # Re-exported: the guard's names were first defined here.
-from validation_service.api_guard import (  # noqa: F401
+from validation_service.api.guard import (  # noqa: F401
     MIN_TOKEN_LENGTH,
     PUBLIC_PATHS,
     SECURITY_HEADERS,
@@ -32,9 +35,8 @@ from validation_service.api_guard import (  # noqa: F401
     check_bind,
     checked_api_token,
 )
+from validation_service.api.views import checkpoint_json, job_json, run_json, tell_service
 from validation_service.config import Settings, get_settings
-from validation_service.dashboard import dashboard_router, metrics_router
-from validation_service.dashboard.router import docs_router
 from validation_service.errors import (
     CkvalError,
     InvalidInput,
@@ -46,7 +48,6 @@ from validation_service.errors import (
 from validation_service.metrics import encode_non_finite
 from validation_service.registry.registry import Registry
 from validation_service.service import ValidationService
-from validation_service.views import checkpoint_json, job_json, run_json, tell_service
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     _add_job_routes(app, registry, settings)
     _add_service_route(app, settings)
     # Aliases, tags, search, retention (dry run) and run status.
-    from validation_service.api_registry import registry_router
+    from validation_service.api.registry import registry_router
 
     app.include_router(registry_router(registry, settings))
     app.include_router(dashboard_router(registry, settings))

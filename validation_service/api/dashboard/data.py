@@ -12,12 +12,7 @@ import math
 from typing import Any
 from urllib.parse import quote
 
-from validation_service.errors import InvalidInput
-from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus
-from validation_service.registry.records import CheckpointRecord
-from validation_service.registry.registry import Registry
-from validation_service.registry.stats import Mode, RunPage, default_mode
-from validation_service.views import (
+from validation_service.api.views import (
     iso,
     job_json,
     labelled_checkpoint_json,
@@ -25,6 +20,11 @@ from validation_service.views import (
     stop_decision_json,
     stop_policy_json,
 )
+from validation_service.errors import InvalidInput
+from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus
+from validation_service.registry.records import CheckpointRecord
+from validation_service.registry.registry import Registry
+from validation_service.registry.stats import Mode, RunPage, default_mode
 
 # More runs than this in one plot is unreadable; the page says so instead of drawing it.
 MAX_COMPARED_RUNS = 20

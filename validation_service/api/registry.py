@@ -15,6 +15,11 @@ from fastapi import APIRouter, Body, Path, Query
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
+from validation_service.api.views import (
+    labelled_checkpoint_json,
+    stop_decision_json,
+    stop_policy_json,
+)
 from validation_service.config import Settings
 from validation_service.errors import (
     AliasNotFound,
@@ -31,11 +36,6 @@ from validation_service.registry.records import RunRecord
 from validation_service.registry.registry import Registry
 from validation_service.stopping import StopPolicy
 from validation_service.validation import INT32_MAX, MAX_BEST_K
-from validation_service.views import (
-    labelled_checkpoint_json,
-    stop_decision_json,
-    stop_policy_json,
-)
 
 _STATUS = {
     RunNotFound: 404,

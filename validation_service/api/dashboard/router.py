@@ -13,8 +13,8 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 
+from validation_service.api.dashboard import data
 from validation_service.config import Settings
-from validation_service.dashboard import data
 from validation_service.errors import CkvalError, InvalidInput, RunNotFound, UnknownMetric
 from validation_service.metrics import encode_non_finite
 from validation_service.registry.registry import Registry
@@ -53,7 +53,7 @@ class RunListing:
 @functools.cache
 def _templates() -> Environment:
     return Environment(
-        loader=PackageLoader("validation_service.dashboard", "templates"),
+        loader=PackageLoader("validation_service.api.dashboard", "templates"),
         autoescape=select_autoescape(default=True, default_for_string=True),
         trim_blocks=True,
         lstrip_blocks=True,
@@ -194,7 +194,7 @@ def _add_data_routes(router: APIRouter, pages: _Pages) -> None:
 
 
 def _add_static_route(router: APIRouter) -> None:
-    static = resources.files("validation_service.dashboard") / "static"
+    static = resources.files("validation_service.api.dashboard") / "static"
 
     @router.get("/static/{name}")
     def static_file(name: str) -> Response:
