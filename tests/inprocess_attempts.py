@@ -13,7 +13,7 @@ from validation_service.executors._run import run_attempt
 from validation_service.registry.records import ClaimedJob, JobOutcome
 from validation_service.registry.registry import Registry
 from validation_service.retry import RetryPolicy
-from validation_service.scheduler import Scheduler
+from validation_service.service.scheduler import Scheduler
 from validation_service.signing import PayloadTrust
 
 

@@ -20,7 +20,7 @@ from validation_service.config import Settings
 from validation_service.errors import InvalidInput, UnknownMetric
 from validation_service.registry.registry import Registry
 from validation_service.retry import RetryPolicy
-from validation_service.scheduler import Scheduler
+from validation_service.service.scheduler import Scheduler
 from validation_service.validators import CommandValidator
 
 VALUES = [0.1, 0.5, 0.3, 0.9, 0.7]

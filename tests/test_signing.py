@@ -24,7 +24,7 @@ from trainer_integration import Client
 from validation_service.config import Settings
 from validation_service.errors import ModuleNotAllowed, PayloadSignatureError
 from validation_service.registry.registry import Registry
-from validation_service.scheduler import Scheduler
+from validation_service.service.scheduler import Scheduler
 from validation_service.signing import KEY_FILE, PREFIX, PayloadTrust, job_binding, key_file
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -21,7 +21,7 @@ from trainer_integration import Client
 from validation_service.config import Settings
 from validation_service.errors import InvalidInput, InvalidSettings
 from validation_service.registry.registry import Registry
-from validation_service.scheduler import Scheduler
+from validation_service.service.scheduler import Scheduler
 from validation_service.sinks import parse_sinks
 
 mlflow = pytest.importorskip("mlflow")

@@ -1,4 +1,9 @@
-"""The long-running service: a detached, named Ray actor that owns a Scheduler."""
+"""The long-running service: a detached, named Ray actor that owns a Scheduler.
+
+This package is the service core (scheduler.py holds the loop); with executors/ and
+validators/ it is the floor above the registry and below the HTTP API and the command
+line (ARCHITECTURE.md, "Floors").
+"""
 
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ class _ServiceActor:
 
     def __init__(self, settings_json: str, replica: int = 0):
         from validation_service.registry.registry import Registry
-        from validation_service.scheduler import Scheduler
+        from validation_service.service.scheduler import Scheduler
 
         configure_logging()
         self.settings = Settings.model_validate_json(settings_json)
