@@ -16,7 +16,8 @@ import dataclasses
 import logging
 import os
 import posixpath
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from validation_service._home import make_private_folders
 from validation_service.errors import InvalidInput
@@ -26,12 +27,25 @@ from validation_service.manifest import (
     StagedCheckpoint,
     _copy_hashing,
 )
-from validation_service.registry.assemblies import PartRecord
 from validation_service.storage import CheckpointStorage, PersistedCheckpoint
 
 logger = logging.getLogger(__name__)
 
 PART_PREFIX = ".ckval-part-"
+
+
+class StoredPart(Protocol):
+    """What assembling reads of one rank's stored part (the registry's PartRecord: this
+    module sits below the registry and names none of its types)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def location(self) -> str: ...
+
+    @property
+    def files(self) -> dict[str, Any] | None: ...
 
 
 class ShardConflict(InvalidInput):
@@ -100,7 +114,7 @@ def _namespace_and_run(storage: CheckpointStorage, checkpoint_path: str) -> tupl
 
 
 def assemble(
-    storage: CheckpointStorage, checkpoint_path: str, parts: list[PartRecord], on_conflict: str
+    storage: CheckpointStorage, checkpoint_path: str, parts: Sequence[StoredPart], on_conflict: str
 ) -> tuple[PersistedCheckpoint, list[Conflict]]:
     """The parts made one checkpoint folder at ``checkpoint_path``, with one manifest.
 
@@ -129,7 +143,7 @@ def assemble(
     return storage.persisted(checkpoint_path, files, manifest), conflicts
 
 
-def _owners(parts: list[PartRecord]) -> tuple[dict[str, tuple[int, Any]], list[Conflict]]:
+def _owners(parts: Sequence[StoredPart]) -> tuple[dict[str, tuple[int, Any]], list[Conflict]]:
     """Which rank's file each relative path takes (the lowest rank's), and the paths
     whose content differs between ranks."""
     owners: dict[str, tuple[int, Any]] = {}
@@ -154,7 +168,7 @@ def _move(storage: CheckpointStorage, source: str, checkpoint_path: str, rel: st
 
 
 def adopt_shared(
-    storage: CheckpointStorage, parts: list[PartRecord], namespace: str, run: str
+    storage: CheckpointStorage, parts: Sequence[StoredPart], namespace: str, run: str
 ) -> PersistedCheckpoint:
     """NO_UPLOAD from several ranks: the one folder every rank wrote into, registered
     where it is (its manifest covers every rank's files)."""
