@@ -57,16 +57,16 @@ def test_a_pools_cap_holds_across_replicas_claiming_at_once(postgres_registry, m
     # The first claimer keeps its transaction open after it picked its jobs, so the second
     # counts the pool's running jobs while the first one's claim is not committed.
     first_picked = threading.Event()
-    lock_due = queue_module._lock_due_job_ids
+    lock_due = queue_module.lock_due_job_ids
 
-    def slow_lock(conn, pool, now, limit):
-        ids = lock_due(conn, pool, now, limit)
+    def slow_lock(conn, pool, now, limit, background_limit):
+        ids = lock_due(conn, pool, now, limit, background_limit)
         if threading.current_thread().name == "first":
             first_picked.set()
             time.sleep(1.0)
         return ids
 
-    monkeypatch.setattr(queue_module, "_lock_due_job_ids", slow_lock)
+    monkeypatch.setattr(queue_module, "lock_due_job_ids", slow_lock)
     claims: dict[str, list] = {}
 
     def claim(name: str, reg: Registry) -> None:

@@ -160,7 +160,7 @@ def dispatch(registry: Registry, job: ClaimedJob, sink: dict) -> dict[str, int]:
     """The scheduler's dispatcher logs the job's metrics to ``sink``; its stats."""
     stats: dict[str, int] = {}
     settings = Settings(sinks=[sink], sink_attempts=1)
-    dispatcher = SinkDispatcher.from_settings(settings, registry, stats)
+    dispatcher = SinkDispatcher.from_settings(settings, registry.job_queue, stats)
     dispatcher.submit(job)
     assert dispatcher.wait_idle(60)
     dispatcher.close()

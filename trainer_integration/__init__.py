@@ -419,7 +419,7 @@ class Client:
             raise
         finally:
             status = RunStatus.FAILED if failed else RunStatus.FINISHED
-            self._reporter.registry.ledger.finish_run(self.run, status)
+            self._reporter.writer.ledger.finish_run(self.run, status)
             with _reporters_lock:
                 if _reporters.get(self.run) is self._reporter:
                     del _reporters[self.run]  # the next Client of this name starts afresh

@@ -181,7 +181,7 @@ class ShardReporter:
 
         group_key = key.result()
         return with_backoff(
-            lambda: reporter.registry.assemblies.join(reporter.run_id, group_key, uri_of),
+            lambda: reporter.writer.assemblies.join(reporter.run_id, group_key, uri_of),
             timeout_s=settings.delivery_timeout_s,
         )
 
@@ -206,7 +206,7 @@ class ShardReporter:
             size = sum(entry["size"] for entry in files.values())
             part = PartRecord(self.rank, storage.uri_for(path), files, size, metrics)
         with_backoff(
-            lambda: reporter.registry.assemblies.add_part(slot.assembly_id, part),
+            lambda: reporter.writer.assemblies.add_part(slot.assembly_id, part),
             timeout_s=reporter.settings.delivery_timeout_s,
         )
         return slot
@@ -230,7 +230,7 @@ class ShardReporter:
 
         reporter = self.reporter
         slot = shard.registered.result()
-        assemblies = reporter.registry.assemblies
+        assemblies = reporter.writer.assemblies
         parts = assemblies.parts(slot.assembly_id)
         if not parts or parts[0].rank != self.rank:
             return False

@@ -1,11 +1,15 @@
 """One run's reporter in one process: stores checkpoints and registers them with their
 validation, in report order, without making training wait for the registry.
 
-Making a reporter costs nothing: its settings, registry and threads are made on first
-use, the registry side on a thread of its own (``prepare()`` starts it while training
-starts). An ASYNC report returns after listing the checkpoint folder; a SYNC report in
-Ray Train once its own copy is stored: into the run's folder under a staging name when
-the storage is local, renamed to its report index once the index is reserved.
+Making a reporter costs nothing: its settings, registry writer and threads are made on
+first use, the writer on a thread of its own (``prepare()`` starts it while training
+starts). The writer (composition.ReportWriter: the Ledger and the Assemblies) is all the
+reporting path opens; the users' Registry of ``registry`` shares its connections and is
+made only when asked for (Client.registry, should_stop's watcher, the callbacks).
+
+An ASYNC report returns after listing the checkpoint folder; a SYNC report in Ray Train
+once its own copy is stored: into the run's folder under a staging name when the
+storage is local, renamed to its report index once the index is reserved.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ _THREADS = {"set-up": 1, "reserve": 1, "store": 1, "report": 2}
 class _Opened:
     """The registry side of a reporter, opened off the training thread."""
 
-    registry: Any
+    writer: Any  # composition.ReportWriter
     attempt: int  # the run attempt this process reports into (its own storage folder)
 
 
@@ -75,6 +79,7 @@ class RunReporter:
         self._settings = settings
         self._storage: CheckpointStorage | None = None
         self._opened: Future | None = None
+        self._registry = None  # the users' Registry on the writer's database, when asked
         self._run_id: int | None = None
         self._lock = threading.Lock()
         self._settings_lock = threading.Lock()
@@ -118,22 +123,34 @@ class RunReporter:
         return self._trust
 
     @property
+    def writer(self):
+        """The reporter's registry writer (``ledger``, ``assemblies``), opened once."""
+        return self._registry_side().writer
+
+    @property
     def registry(self):
-        return self._registry_side().registry
+        """The users' Registry (queries, wait, stop decisions) over the writer's database."""
+        writer = self.writer
+        if self._registry is None:
+            Registry = import_once("validation_service.registry.registry").Registry
+            with self._lock:
+                if self._registry is None:
+                    self._registry = Registry.on_database(writer.db, self.settings)
+        return self._registry
 
     @property
     def attempt(self) -> int:
         return self._registry_side().attempt
 
     def _registry_side(self) -> _Opened:
-        """The registry, opened once on the set-up thread; waits for it. A registry that
+        """The writer, opened once on the set-up thread; waits for it. A registry that
         was unreachable is opened again by the next caller."""
         from validation_service.errors import RegistryUnavailable
 
         with self._lock:
             future = self._opened
             if future is None:
-                future = self._opened = self._thread("set-up").submit(self._open_registry)
+                future = self._opened = self._thread("set-up").submit(self._open_writer)
         try:
             return future.result()
         except RegistryUnavailable:
@@ -142,32 +159,33 @@ class RunReporter:
                     self._opened = None
             raise
 
-    def _open_registry(self) -> _Opened:
-        Registry = import_once("validation_service.registry.registry").Registry
+    def _open_writer(self) -> _Opened:
+        composition = import_once("validation_service.registry.composition")
 
         settings = self.settings
-        registry = Registry(settings=settings)
+        writer = composition.open_report_writer(settings)
         try:
             # The run is created by its first report's index reservation (or by
             # ensure_run()): setting a reporter up writes nothing. A RUNNING run (restarted
             # workers) goes on; an ended one gets a new attempt at its first report, or
-            # with CKVAL_APPEND is reopened then and continued.
-            self._run_id = registry.ledger.current_run_id(self.run)
-            # A later attempt (its report indices start at 0 again) has its own folder in
-            # storage, "<run>/attempt-N": known before the run's attempt exists.
-            attempt = registry.ledger.next_attempt(self.run, append=settings.append)
-            self._finish_stored_reports(registry, attempt)
+            # with CKVAL_APPEND is reopened then and continued. A later attempt (its report
+            # indices start at 0 again) has its own folder in storage, "<run>/attempt-N":
+            # known before the run's attempt exists.
+            self._run_id, attempt = writer.ledger.reporting_attempt(
+                self.run, append=settings.append
+            )
+            self._finish_stored_reports(writer.ledger, attempt)
         except BaseException:
-            registry.close()
+            writer.close()
             raise
-        return _Opened(registry, attempt)
+        return _Opened(writer, attempt)
 
     def _journal(self) -> ReportJournal | None:
         if not self.storage.is_local:
             return None  # only a local storage stages copies (storage.stage)
         return ReportJournal(self.storage, self.settings.namespace, self.run, self.trust)
 
-    def _finish_stored_reports(self, registry, attempt: int) -> list[int]:
+    def _finish_stored_reports(self, ledger, attempt: int) -> list[int]:
         """Registers the SYNC reports that a process of this run stored and did not live
         to register (see _journal.py), before this process reserves an index."""
         journal = self._journal()
@@ -175,11 +193,11 @@ class RunReporter:
             return []
 
         def reserve() -> tuple[int, int]:
-            return registry.ledger.reserve_report_index(self._ensure_run_on(registry)), attempt
+            return ledger.reserve_report_index(self._ensure_run_on(ledger)), attempt
 
         def register(index, persisted, metrics, job) -> None:
-            run_id = self._ensure_run_on(registry)
-            self._register_on(registry, run_id, index, persisted, metrics, job)
+            run_id = self._ensure_run_on(ledger)
+            self._register_on(ledger, run_id, index, persisted, metrics, job)
 
         return journal.recover(
             self.settings.delivery_timeout_s, reserve, register, self.settings.namespace, self.run
@@ -202,24 +220,22 @@ class RunReporter:
 
     def ensure_run(self) -> int:
         """The run's id, creating the run in the registry if it is not there yet."""
-        return self._ensure_run_on(self.registry)
+        return self._ensure_run_on(self.writer.ledger)
 
-    def _ensure_run_on(self, registry) -> int:
+    def _ensure_run_on(self, ledger) -> int:
         if self._run_id is None:
             root, append = self.storage.root_uri, self.settings.append
             with self._lock:
                 if self._run_id is None:
-                    self._run_id = registry.ledger.ensure_run(
-                        self.run, storage_root=root, append=append
-                    )
+                    self._run_id = ledger.ensure_run(self.run, storage_root=root, append=append)
         return self._run_id
 
     def prepare(self) -> None:
         """Gets ready for a first report while training starts; writes nothing.
 
-        Opens the registry and finds the service, starting it if none runs (the embedded
-        default), so that its cold start overlaps training instead of following the
-        first report; the service warms worker processes for the run's first
+        Opens the registry writer and finds the service, starting it if none runs (the
+        embedded default), so that its cold start overlaps training instead of following
+        the first report; the service warms worker processes for the run's first
         validations meanwhile.
         """
         for name in _THREADS:
@@ -236,7 +252,7 @@ class RunReporter:
         processes may report to one run, and their checkpoint folders never collide.
         One process's reports get increasing indices, in the order it reports them.
         """
-        return self.registry.ledger.reserve_report_index(self.run_id)
+        return self.writer.ledger.reserve_report_index(self.run_id)
 
     def scan(self, checkpoint) -> CheckpointFolder | None:
         """Lists a local checkpoint folder before its index is reserved (see
@@ -405,13 +421,13 @@ class RunReporter:
         metrics: dict[str, Any],
         job: ValidationRequest | None,
     ):
-        return self._register_on(self.registry, self.run_id, index, persisted, metrics, job)
+        return self._register_on(self.writer.ledger, self.run_id, index, persisted, metrics, job)
 
-    def _register_on(self, registry, run_id: int, index: int, persisted, metrics, job):
-        self._record_trackers(registry, run_id)
+    def _register_on(self, ledger, run_id: int, index: int, persisted, metrics, job):
+        self._record_trackers(ledger, run_id)
         binding = job_binding(self.settings.namespace, self.run, index, persisted.uri)
         job = signed_request(job, self.trust, binding)
-        registration = registry.ledger.register_checkpoint(
+        registration = ledger.register_checkpoint(
             run_id,
             index,
             uri=persisted.uri,
@@ -490,10 +506,10 @@ class RunReporter:
                 self._trackers_seen = trackers
                 self._trackers_to_record = trackers
 
-    def _record_trackers(self, registry, run_id: int) -> None:
+    def _record_trackers(self, ledger, run_id: int) -> None:
         trackers = self._trackers_to_record
         if trackers is not None:
-            registry.ledger.tag_run(run_id, {TRACKERS_TAG: trackers})
+            ledger.tag_run(run_id, {TRACKERS_TAG: trackers})
             with self._lock:
                 if self._trackers_to_record is trackers:
                     self._trackers_to_record = None
@@ -515,15 +531,16 @@ class RunReporter:
             logger.error("%s", exc)
 
     def close(self) -> None:
-        """Stops the threads and closes the registry of a reporter that is done (after
-        flush(): deliveries still under way are not waited for)."""
+        """Stops the threads and closes the registry writer of a reporter that is done
+        (after flush(): deliveries still under way are not waited for); a Registry made
+        on it goes with it."""
         with self._threads_lock:
             pools, self._threads = list(self._threads.values()), {}
         for pool in pools:
             pool.shutdown(wait=False)
         opened = self._opened
         if opened is not None and opened.done() and opened.exception() is None:
-            opened.result().registry.close()
+            opened.result().writer.close()
 
     def nudge(self) -> None:
         """Tells the service there is new work (best effort: it also polls)."""

@@ -24,6 +24,7 @@ import logging
 from trainer_integration._service_link import resolve_settings
 from validation_service import _ray_compat
 from validation_service.config import Settings
+from validation_service.errors import RunNotFound
 from validation_service.jobs import RunStatus
 
 logger = logging.getLogger(__name__)
@@ -66,11 +67,9 @@ class RunStatusCallback(_ray_compat.controller_callback_base()):
         # and did not live to register (a train function that raised right after one).
         reporter = RunReporter(self._run, self._settings, start_service=False)
         try:
-            registry = reporter.registry
-            # A run that reported no checkpoint has no row (or only an earlier attempt,
-            # which ended already and is left as it is).
-            if registry.find_run_id(self._run) is not None:
-                registry.ledger.finish_run(self._run, status)
+            reporter.writer.ledger.finish_run(self._run, status)
+        except RunNotFound:
+            pass  # it reported no checkpoint (an earlier, ended attempt is left as it is)
         except Exception:  # noqa: BLE001 - training's outcome stands; say why the run did not end
             logger.exception("could not mark ckval run %r %s", self._run, status.value)
         finally:

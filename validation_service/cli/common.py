@@ -7,8 +7,8 @@ Imports stay light (click and nothing heavy): the CLI starts fast.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -16,7 +16,11 @@ from validation_service.cli._format import echo
 
 if TYPE_CHECKING:
     from validation_service.config import Settings
+    from validation_service.registry._fast_read import FastReader
+    from validation_service.registry.records import CheckpointRecord, JobRecord, RunSummary
     from validation_service.registry.registry import Registry
+
+T = TypeVar("T")
 
 # Exit statuses: the same situation ends with the same one in every command.
 EXIT_OK = 0
@@ -54,11 +58,13 @@ def registry_of(ctx: click.Context) -> Registry:
     return obj["registry"]
 
 
-def listing(ctx: click.Context, method: str, *args: Any, **kwargs: Any) -> Any:
-    """``Registry.<method>(*args, **kwargs)`` for the registry listings: read with sqlite3
-    when the registry is an embedded SQLite file at the current schema (the listing then
-    loads neither pydantic nor SQLAlchemy; see registry/_fast_read.py), else through the
-    Registry. Both return the same records and raise the same errors."""
+def read_listing(
+    ctx: click.Context, fast: Callable[[FastReader], T], slow: Callable[[Registry], T]
+) -> T:
+    """``fast(reader)`` with sqlite3 when the registry is an embedded SQLite file at the
+    current schema (the listing then loads neither pydantic nor SQLAlchemy; see
+    registry/_fast_read.py), else ``slow(registry)``. Both return the same records and
+    raise the same errors."""
     obj = ctx.find_root().ensure_object(dict)
     if "registry" not in obj:
         from validation_service.registry import _fast_read
@@ -67,10 +73,54 @@ def listing(ctx: click.Context, method: str, *args: Any, **kwargs: Any) -> Any:
         if reader is not None:
             with reader:
                 try:
-                    return getattr(reader, method)(*args, **kwargs)
+                    return fast(reader)
                 except _fast_read.Unavailable:
                     pass
-    return getattr(registry_of(ctx), method)(*args, **kwargs)
+    return slow(registry_of(ctx))
+
+
+def list_run_summaries(ctx: click.Context, status: str | None) -> list[RunSummary]:
+    """`ckval runs`: FastReader.run_summaries, else Registry.run_summaries."""
+    return read_listing(
+        ctx,
+        lambda reader: reader.run_summaries(status=status),
+        lambda registry: registry.run_summaries(status=status),
+    )
+
+
+def list_checkpoints(ctx: click.Context, run: str) -> list[CheckpointRecord]:
+    """`ckval checkpoints RUN`: FastReader.checkpoints, else Registry.checkpoints."""
+    return read_listing(
+        ctx, lambda reader: reader.checkpoints(run), lambda registry: registry.checkpoints(run)
+    )
+
+
+def list_best_checkpoints(
+    ctx: click.Context, run: str | None, metric: str, mode: str, k: int
+) -> list[CheckpointRecord]:
+    """`ckval best`: FastReader.best_checkpoint_records, else
+    Registry.best_checkpoint_records."""
+    return read_listing(
+        ctx,
+        lambda reader: reader.best_checkpoint_records(run, metric, mode, k),
+        lambda registry: registry.best_checkpoint_records(run, metric, mode, k),
+    )
+
+
+def list_jobs(
+    ctx: click.Context,
+    run: str | None,
+    *,
+    statuses: list[str] | None,
+    pool: str | None,
+    limit: int | None,
+) -> list[JobRecord]:
+    """`ckval jobs`: FastReader.list_jobs, else Registry.list_jobs."""
+    return read_listing(
+        ctx,
+        lambda reader: reader.list_jobs(run, statuses=statuses, pool=pool, limit=limit),
+        lambda registry: registry.list_jobs(run, statuses=statuses, pool=pool, limit=limit),
+    )
 
 
 def echo_json(value: Any) -> None:

@@ -14,7 +14,7 @@ from validation_service.cli._format import echo
 from validation_service.cli.common import (
     echo_json,
     json_option,
-    listing,
+    list_jobs,
     registry_of,
     render_table,
     settings_of,
@@ -102,9 +102,8 @@ def _jobs_query(
     ``limit`` jobs, and whether there were more."""
 
     def query() -> tuple[list[JobRecord], bool]:
-        found = listing(
+        found = list_jobs(
             ctx,
-            "list_jobs",
             run,
             statuses=statuses,
             pool=pool,

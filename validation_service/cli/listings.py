@@ -1,5 +1,5 @@
 """`ckval runs`, `ckval checkpoints` and `ckval best`: the registry listings, read with
-sqlite3 alone from an embedded SQLite registry (cli_common.listing)."""
+sqlite3 alone from an embedded SQLite registry (cli_common.read_listing)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from validation_service.cli._format import echo
 from validation_service.cli.common import (
     echo_json,
     json_option,
-    listing,
+    list_best_checkpoints,
+    list_checkpoints,
+    list_run_summaries,
     registry_of,
     render_table,
 )
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
 @click.pass_context
 def runs(ctx: click.Context, status: str | None, as_json: bool) -> None:
     """List runs (each attempt of a run name) with their checkpoint and validation counts."""
-    summaries = listing(ctx, "run_summaries", status=status)
+    summaries = list_run_summaries(ctx, status)
     if as_json:
         from validation_service.api.views import run_json
 
@@ -54,7 +56,7 @@ validator_option = click.option(
 @click.pass_context
 def checkpoints(ctx: click.Context, run: str, validator: str | None, as_json: bool) -> None:
     """List the checkpoints of RUN with their merged metrics (or one validator's)."""
-    records = listing(ctx, "checkpoints", run)
+    records = list_checkpoints(ctx, run)
     if as_json:
         _echo_checkpoints_json(records)
         return
@@ -87,7 +89,7 @@ def best(
     from validation_service.metrics import lower_is_better
 
     if validator is None:
-        records = listing(ctx, "best_checkpoint_records", run, metric, mode or "max", k)
+        records = list_best_checkpoints(ctx, run, metric, mode or "max", k)
     else:
         records = registry_of(ctx).best_checkpoint_records(
             run, metric, mode or "max", k, validator=validator

@@ -1,7 +1,8 @@
 """The checkpoint registry, the only code that touches the database: ``Registry`` (the
-users' queries) and, on the same database layer, the reporter's ``Ledger``, the
-scheduler's ``JobQueue``, ``Housekeeping`` and the dashboard's reads, each over the
-catalog, the queue and their transitions.
+users' queries) and, built by composition.py on the same database layer, the reporter's
+``Ledger``, the scheduler's ``JobQueue``, ``Housekeeping`` and the dashboard's reads, each
+opening its own transactions over the statements of the catalog, the queue, the
+registration and the transitions.
 
 ``Registry`` loads on first use (PEP 562): importing the plain records of
 ``validation_service.registry.records`` does not import SQLAlchemy.

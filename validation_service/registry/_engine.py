@@ -16,6 +16,7 @@ from sqlalchemy.engine import make_url
 
 from validation_service._home import PRIVATE_FILE_MODE, make_private_folders
 from validation_service.metrics import decode_non_finite, encode_non_finite
+from validation_service.registry import raw_sql
 
 WRITE_OPTION = "ckval_write"
 
@@ -91,10 +92,8 @@ def _configure_sqlite(engine: Engine) -> None:
         # two writers both read and then deadlock on upgrade to a write lock).
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA busy_timeout=30000")
-        cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute("PRAGMA synchronous=NORMAL")
+        for pragma in raw_sql.SQLITE_CONNECTION_PRAGMAS:
+            cursor.execute(pragma)
         cursor.close()
 
     @event.listens_for(engine, "begin")
@@ -102,10 +101,10 @@ def _configure_sqlite(engine: Engine) -> None:
         if connection.get_execution_options().get(WRITE_OPTION):
             # BEGIN IMMEDIATE takes the write lock up front: claim-then-update is atomic
             # across processes, the SQLite stand-in for FOR UPDATE SKIP LOCKED.
-            connection.exec_driver_sql("BEGIN IMMEDIATE")
+            connection.exec_driver_sql(raw_sql.SQLITE_BEGIN_WRITE)
         else:
             # Reads never block writers (or wait for them) in WAL mode.
-            connection.exec_driver_sql("BEGIN")
+            connection.exec_driver_sql(raw_sql.SQLITE_BEGIN_READ)
 
 
 class SQLiteWriteLock:

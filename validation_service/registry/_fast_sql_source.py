@@ -31,7 +31,7 @@ dialect); do not edit. Each statement's bound parameters are in the order writte
 
 def statements() -> dict[str, str]:
     """Name in _fast_sql.py -> the statement, its parameters bound later."""
-    catalog = Catalog(None, namespace="")  # builds statements only: no database
+    catalog = Catalog(namespace="")
     ids = bindparam("ids", expanding=True)
     queries = {
         # no parameters

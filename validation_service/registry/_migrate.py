@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Engine, column, inspect, select, table
 
+from validation_service.registry import raw_sql
 from validation_service.registry._engine import WRITE_OPTION, schema_lock
 from validation_service.registry._revisions import declared_heads, migrations_dir
 
@@ -102,17 +103,17 @@ def _sqlite_foreign_keys_off(connection: Connection) -> Iterator[None]:
         yield
         return
     driver = connection.connection.driver_connection
-    driver.execute("PRAGMA foreign_keys=OFF")
+    driver.execute(raw_sql.SQLITE_FOREIGN_KEYS_OFF)
     try:
         yield
     finally:
-        driver.execute("PRAGMA foreign_keys=ON")
+        driver.execute(raw_sql.SQLITE_FOREIGN_KEYS_ON)
 
 
 def _check_foreign_keys(connection: Connection) -> None:
     """Refuses (rolls back) a SQLite migration that left a row pointing nowhere."""
     if connection.dialect.name != "sqlite":
         return
-    broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+    broken = connection.exec_driver_sql(raw_sql.SQLITE_FOREIGN_KEY_CHECK).fetchall()
     if broken:
         raise RuntimeError(f"migration left rows with broken foreign keys: {broken[:5]}")

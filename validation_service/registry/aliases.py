@@ -124,20 +124,14 @@ def set_alias(conn: Connection, run_id: int, alias: str, checkpoint_id: int) -> 
     )
 
 
-def aliased_checkpoint_id(session: Session, run_id: int, run: str, alias: str) -> int:
-    checkpoint_id = session.scalar(
-        select(CheckpointAlias.checkpoint_id).where(
-            CheckpointAlias.run_id == run_id, CheckpointAlias.alias == alias
-        )
-    )
-    if checkpoint_id is None:
-        known = session.scalars(
-            select(CheckpointAlias.alias)
-            .where(CheckpointAlias.run_id == run_id)
-            .order_by(CheckpointAlias.alias)
-        ).all()
-        raise AliasNotFound(run, alias, list(known))
-    return checkpoint_id
+def alias_not_found(session: Session, run_id: int, run: str, alias: str) -> AliasNotFound:
+    """The error for an alias the run attempt does not have, naming those it has."""
+    known = session.scalars(
+        select(CheckpointAlias.alias)
+        .where(CheckpointAlias.run_id == run_id)
+        .order_by(CheckpointAlias.alias)
+    ).all()
+    return AliasNotFound(run, alias, list(known))
 
 
 def run_aliases(session: Session, run_id: int) -> dict[str, int]:

@@ -19,7 +19,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from sqlalchemy import insert, select, update
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from validation_service.jobs import AssemblyStatus, RunStatus
 from validation_service.registry.catalog import Catalog
@@ -65,7 +67,8 @@ class AssemblyRecord:
 
 
 class Assemblies:
-    """The reporter's side of multi-rank checkpoints; ``Registry.assemblies``."""
+    """The reporter's side of multi-rank checkpoints (composition.open_report_writer;
+    ``Registry.assemblies`` too); each method takes one transaction."""
 
     def __init__(self, db: Database, catalog: Catalog):
         self.db = db
@@ -74,13 +77,14 @@ class Assemblies:
     @retry_on_disconnect
     def join(self, run_id: int, group_key: str, uri_of: Callable[[int], str]) -> Slot:
         """The slot of the report ``group_key`` of the run, reserved by the first rank
-        that asks (a new report index, its folder named by ``uri_of(index)``)."""
-        found = self._slot(run_id, group_key)
-        if found is not None:
-            return found
-        index = self.catalog.reserve_report_index(run_id)
+        that asks (a new report index, its folder named by ``uri_of(index)``). One write
+        transaction: the slot found, or the index reserved and the slot added."""
         try:
             with self.db.write() as conn:
+                found = _slot(conn, run_id, group_key)
+                if found is not None:
+                    return found
+                index = self.catalog.reserve_report_index(conn, run_id)
                 assembly_id = conn.execute(
                     insert(CheckpointAssembly)
                     .values(
@@ -95,21 +99,13 @@ class Assemblies:
                 ).scalar_one()
             return Slot(index, uri_of(index), assembly_id)
         except IntegrityError:
-            # Another rank reserved it meanwhile: its index wins, this one stays unused.
-            found = self._slot(run_id, group_key)
+            # Another rank added it meanwhile (PostgreSQL): its slot wins, and this
+            # transaction's reservation was rolled back with it.
+            with self.db.read() as session:
+                found = _slot(session, run_id, group_key)
             if found is None:
                 raise
             return found
-
-    def _slot(self, run_id: int, group_key: str) -> Slot | None:
-        table = CheckpointAssembly
-        with self.db.read() as session:
-            row = session.execute(
-                select(table.report_index, table.uri, table.id).where(
-                    table.run_id == run_id, table.group_key == group_key
-                )
-            ).first()
-        return None if row is None else Slot(*row)
 
     @retry_on_disconnect
     def add_part(self, assembly_id: int, part: PartRecord) -> None:
@@ -129,20 +125,8 @@ class Assemblies:
     @retry_on_disconnect
     def parts(self, assembly_id: int) -> list[PartRecord]:
         """The parts stored so far, lowest rank first."""
-        table = CheckpointPart
         with self.db.read() as session:
-            rows = session.execute(
-                select(
-                    table.rank,
-                    table.location,
-                    table.files,
-                    table.size_bytes,
-                    table.reported_metrics,
-                )
-                .where(table.assembly_id == assembly_id)
-                .order_by(table.rank)
-            ).all()
-        return [PartRecord(*row) for row in rows]
+            return _parts(session, assembly_id)
 
     def begin_sealing(self, assembly_id: int) -> list[PartRecord] | None:
         """Takes the assembly from ASSEMBLING to SEALING and returns its parts; None when
@@ -156,7 +140,7 @@ class Assemblies:
                 )
                 .values(status=AssemblyStatus.SEALING.value)
             ).rowcount
-        return self.parts(assembly_id) if taken == 1 else None
+            return _parts(conn, assembly_id) if taken == 1 else None
 
     @retry_on_disconnect
     def end(self, assembly_id: int, status: AssemblyStatus, detail: str | None = None) -> None:
@@ -207,33 +191,6 @@ class Assemblies:
             ).rowcount
 
     @retry_on_disconnect
-    def not_complete(self, run_ids: list[int]) -> list[AssemblyRecord]:
-        """The assemblies of these run attempts that are not (yet) a checkpoint."""
-        table = CheckpointAssembly
-        with self.db.read() as session:
-            rows = session.execute(
-                select(table, Run.name)
-                .join(Run, Run.id == table.run_id)
-                .where(table.run_id.in_(run_ids), table.status != AssemblyStatus.COMPLETE.value)
-                .order_by(table.run_id, table.report_index)
-            ).all()
-            ranks = _ranks(session, [row[0].id for row in rows])
-        return [
-            AssemblyRecord(
-                run=name,
-                report_index=row.report_index,
-                uri=row.uri,
-                status=AssemblyStatus(row.status),
-                detail=row.detail,
-                ranks=ranks.get(row.id, []),
-                created_at=row.created_at,
-                ended_at=row.ended_at,
-                deleted_at=row.deleted_at,
-            )
-            for row, name in rows
-        ]
-
-    @retry_on_disconnect
     def incomplete_to_delete(self, run_ids: list[int] | None = None) -> list[tuple]:
         """(assembly id, folder URI, run name, namespace, storage root) of INCOMPLETE
         assemblies whose files are still there."""
@@ -256,6 +213,53 @@ class Assemblies:
                 .where(CheckpointAssembly.id == assembly_id)
                 .values(deleted_at=utcnow())
             )
+
+
+def not_complete(session: Session, run_ids: list[int]) -> list[AssemblyRecord]:
+    """The assemblies of these run attempts that are not (yet) a checkpoint (a user's
+    read: Registry.incomplete_checkpoints)."""
+    table = CheckpointAssembly
+    rows = session.execute(
+        select(table, Run.name)
+        .join(Run, Run.id == table.run_id)
+        .where(table.run_id.in_(run_ids), table.status != AssemblyStatus.COMPLETE.value)
+        .order_by(table.run_id, table.report_index)
+    ).all()
+    ranks = _ranks(session, [row[0].id for row in rows])
+    return [
+        AssemblyRecord(
+            run=name,
+            report_index=row.report_index,
+            uri=row.uri,
+            status=AssemblyStatus(row.status),
+            detail=row.detail,
+            ranks=ranks.get(row.id, []),
+            created_at=row.created_at,
+            ended_at=row.ended_at,
+            deleted_at=row.deleted_at,
+        )
+        for row, name in rows
+    ]
+
+
+def _slot(conn: Connection | Session, run_id: int, group_key: str) -> Slot | None:
+    table = CheckpointAssembly
+    row = conn.execute(
+        select(table.report_index, table.uri, table.id).where(
+            table.run_id == run_id, table.group_key == group_key
+        )
+    ).first()
+    return None if row is None else Slot(*row)
+
+
+def _parts(conn: Connection | Session, assembly_id: int) -> list[PartRecord]:
+    table = CheckpointPart
+    rows = conn.execute(
+        select(table.rank, table.location, table.files, table.size_bytes, table.reported_metrics)
+        .where(table.assembly_id == assembly_id)
+        .order_by(table.rank)
+    ).all()
+    return [PartRecord(*row) for row in rows]
 
 
 def _ranks(session, assembly_ids: list[int]) -> dict[int, list[int]]:

@@ -1,31 +1,31 @@
-"""The checkpoint catalog: runs, checkpoints, their metric values, best-k, and the merge of
-validated metrics. Reads and writes runs, checkpoints and metric_values only."""
+"""The checkpoint catalog's statements: runs, checkpoints, their metric values, report
+indices, best-k, and the merge of validated metrics. Reads and writes runs, checkpoints
+and metric_values only, always in its caller's transaction (it opens none)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-from collections.abc import Sequence
 from typing import Any, Literal
 
 from sqlalchemy import bindparam, delete, func, insert, select, update
 from sqlalchemy.engine import Connection, Row
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from validation_service.errors import InvalidInput, RunNotFound
 from validation_service.jobs import MetricSource, RunStatus
-from validation_service.metrics import normalize_metrics, rankable
+from validation_service.metrics import rankable
 from validation_service.names import check_name
-from validation_service.registry import transitions
 from validation_service.registry.aliases import tag_conditions
-from validation_service.registry.database import Database
 from validation_service.registry.limits import KNOWN_METRICS_ROWS, KNOWN_RUN_NAMES
-from validation_service.registry.models import Checkpoint, MetricValue, Run, utcnow
+from validation_service.registry.models import (
+    Checkpoint,
+    CheckpointAlias,
+    MetricValue,
+    Run,
+    utcnow,
+)
 from validation_service.registry.records import CheckpointRecord, RunRecord, record_from
-
-logger = logging.getLogger(__name__)
 
 Mode = Literal["max", "min"]
 
@@ -33,127 +33,85 @@ _checkpoints, _values, _runs = Checkpoint.__table__, MetricValue.__table__, Run.
 
 
 class Catalog:
-    """Runs and checkpoints of one namespace, and the metric values that rank them."""
+    """The statements over one namespace's runs, checkpoints and metric values.
 
-    def __init__(self, db: Database, namespace: str):
-        self.db = db
+    Each runs in the caller's transaction (a Session or a Connection): the room that owns
+    an operation (the Registry, the Ledger, the JobQueue...) opens the one transaction it
+    takes, and calls these inside it.
+    """
+
+    def __init__(self, namespace: str):
         self.namespace = namespace
 
     # ------------------------------------------------------------------- runs
-    def ensure_run(
+    def latest_attempt(self, conn: Connection | Session, name: str) -> Row | None:
+        """(id, attempt, status, ended_at) of the run's latest attempt, or None."""
+        check_run_name(name)
+        return conn.execute(self._latest_attempt_query(name)).first()
+
+    def insert_run(
         self,
+        conn: Connection,
         name: str,
         *,
         storage_root: str,
         tags: dict[str, Any] | None,
-        append: bool = False,
+        attempt: int,
+        status: RunStatus = RunStatus.RUNNING,
     ) -> int:
-        """The id of the run's current attempt, created if needed.
+        """Adds attempt ``attempt`` of the run; IntegrityError when another writer did."""
+        now = utcnow()
+        row = {
+            "name": name,
+            "namespace": self.namespace,
+            "storage_root": storage_root,
+            "tags": tags or {},
+            "created_at": now,
+            "status": status.value,
+            "attempt": attempt,
+            "ended_at": None if status is RunStatus.RUNNING else now,
+        }
+        return conn.execute(_INSERT_RUN, row).scalar_one()
 
-        The latest attempt while it is RUNNING (a Ray Train run restarted after a worker
-        failure goes on in it). Once it ended, a new attempt, unless ``append``: then the
-        ended attempt is reopened.
-        """
-        check_run_name(name)
-        for _ in range(3):
-            with self.db.read() as session:
-                latest = session.execute(self._latest_attempt_query(name)).first()
-            if latest is not None and latest.status == RunStatus.RUNNING.value:
-                return latest.id
-            if latest is not None and append:
-                self._reopen(latest.id)
-                return latest.id
-            attempt = 1 if latest is None else latest.attempt + 1
-            row = {
-                "name": name,
-                "namespace": self.namespace,
-                "storage_root": storage_root,
-                "tags": tags or {},
-                "created_at": utcnow(),
-                "status": RunStatus.RUNNING.value,
-                "attempt": attempt,
-            }
-            try:
-                with self.db.write() as conn:
-                    run_id = conn.execute(_INSERT_RUN, row).scalar_one()
-            except IntegrityError:
-                continue  # another reporter created it first
-            if latest is not None:
-                logger.warning(
-                    "run %r ended (%s) at %s; starting attempt %d; pass append=True / "
-                    "--append (CKVAL_APPEND=1 inside Ray Train) to keep adding to attempt %d",
-                    name,
-                    latest.status,
-                    latest.ended_at.isoformat() if latest.ended_at else "an unknown time",
-                    attempt,
-                    latest.attempt,
-                )
-            return run_id
-        raise RuntimeError(f"could not create or find run {name!r}")
+    def reopen(self, conn: Connection, run_id: int) -> None:
+        """An ended attempt RUNNING again (reports go on in it)."""
+        conn.execute(
+            update(_runs)
+            .where(_runs.c.id == run_id)
+            .values(status=RunStatus.RUNNING.value, ended_at=None)
+        )
 
-    def run_tags(self, name: str, namespace: str | None = None) -> dict[str, Any]:
-        """The tags of the named run ({} when there is no such run)."""
+    def end_run(self, conn: Connection, run_id: int, status: RunStatus) -> bool:
+        """Ends the attempt if it is RUNNING; False if it was not."""
+        changed = conn.execute(
+            update(_runs)
+            .where(_runs.c.id == run_id, _runs.c.status == RunStatus.RUNNING.value)
+            .values(status=status.value, ended_at=utcnow())
+        ).rowcount
+        return bool(changed)
+
+    def run_tags(
+        self, conn: Connection | Session, name: str, namespace: str | None = None
+    ) -> dict[str, Any]:
+        """The tags of the named run's latest attempt ({} when there is no such run)."""
         query = (
             select(Run.tags)
             .where(Run.namespace == (namespace or self.namespace), Run.name == name)
             .order_by(Run.attempt.desc())
             .limit(1)
         )
-        with self.db.read() as session:
-            return dict(session.scalar(query) or {})
+        return dict(conn.scalar(query) or {})
 
-    def merge_run_tags(self, run_id: int, tags: dict[str, Any]) -> None:
-        """Sets these tags of the run, keeping its others (one write transaction)."""
-        with self.db.write() as conn:
-            current = conn.execute(select(_runs.c.tags).where(_runs.c.id == run_id)).scalar_one()
-            merged = {**(current or {}), **tags}
-            conn.execute(update(_runs).where(_runs.c.id == run_id).values(tags=merged))
+    def merge_run_tags(self, conn: Connection, run_id: int, tags: dict[str, Any]) -> None:
+        """Sets these tags of the run, keeping its others."""
+        current = conn.execute(select(_runs.c.tags).where(_runs.c.id == run_id)).scalar_one()
+        merged = {**(current or {}), **tags}
+        conn.execute(update(_runs).where(_runs.c.id == run_id).values(tags=merged))
 
-    def _reopen(self, run_id: int) -> None:
-        with self.db.write() as conn:
-            conn.execute(
-                update(_runs)
-                .where(_runs.c.id == run_id)
-                .values(status=RunStatus.RUNNING.value, ended_at=None)
-            )
-
-    def current_run_id(self, name: str, *, append: bool) -> int | None:
-        """The attempt the next report of the run goes to, if it exists: the latest one
-        while RUNNING (or ended, with ``append``); None when a new attempt is due."""
+    def run_id(self, conn: Connection | Session, name: str) -> int | None:
+        """The id of the named run's latest attempt, or None."""
         check_run_name(name)
-        with self.db.read() as session:
-            latest = session.execute(self._latest_attempt_query(name)).first()
-        if latest is None or (latest.status != RunStatus.RUNNING.value and not append):
-            return None
-        return latest.id
-
-    def next_attempt(self, name: str, *, append: bool) -> int:
-        """The attempt number ensure_run(name, append=append) would return now."""
-        check_run_name(name)
-        with self.db.read() as session:
-            latest = session.execute(self._latest_attempt_query(name)).first()
-        if latest is None:
-            return 1
-        if latest.status == RunStatus.RUNNING.value or append:
-            return latest.attempt
-        return latest.attempt + 1
-
-    def finish_run(self, name: str, status: RunStatus, attempt: int | None) -> bool:
-        """Ends the run's latest attempt (or ``attempt``) if RUNNING; False if it was not."""
-        with self.db.read() as session:
-            run_id = self.require_run_id(session, name, attempt)
-        with self.db.write() as conn:
-            changed = conn.execute(
-                update(_runs)
-                .where(_runs.c.id == run_id, _runs.c.status == RunStatus.RUNNING.value)
-                .values(status=status.value, ended_at=utcnow())
-            ).rowcount
-        return bool(changed)
-
-    def find_run_id(self, name: str) -> int | None:
-        check_run_name(name)
-        with self.db.read() as session:
-            return session.scalar(self._run_id_query(name))
+        return conn.scalar(self._run_id_query(name))
 
     def runs(self, session: Session) -> list[RunRecord]:
         rows = session.scalars(self._runs_query()).all()
@@ -177,7 +135,9 @@ class Catalog:
             .group_by(Checkpoint.run_id)
         )
 
-    def require_run_id(self, session: Session, name: str, attempt: int | None = None) -> int:
+    def require_run_id(
+        self, session: Connection | Session, name: str, attempt: int | None = None
+    ) -> int:
         """The id of the run's latest attempt (or of ``attempt``); RunNotFound if none."""
         run_id = session.scalar(self._run_id_query(name, attempt))
         if run_id is None and attempt is not None and session.scalar(self._run_id_query(name)):
@@ -207,118 +167,72 @@ class Catalog:
             .limit(1)
         )
 
-    # ---------------------------------------------------------- checkpoints
-    def next_report_index(self, run_id: int) -> int:
+    # --------------------------------------------------------- report indices
+    def next_report_index(self, conn: Connection | Session, run_id: int) -> int:
         """The index the run's next reservation gets (reserves nothing)."""
-        with self.db.read() as session:
-            current = session.scalar(select(Run.next_report_index).where(Run.id == run_id))
-            if current is None:
-                raise RunNotFound(f"id {run_id}", self.namespace)
-            return current
+        current = conn.scalar(select(Run.next_report_index).where(Run.id == run_id))
+        if current is None:
+            raise RunNotFound(f"id {run_id}", self.namespace)
+        return current
 
-    def reserve_report_index(self, run_id: int) -> int:
+    def reserve_report_index(self, conn: Connection, run_id: int) -> int:
         """Reserves the run's next report index for one report, atomically.
 
         One ``UPDATE ... RETURNING`` on the run's row: concurrent reporters, in any
         number of processes, each get an index of their own, in the order they ask.
         """
-        with self.db.write() as conn:
-            following = conn.execute(_RESERVE_REPORT_INDEX, {"b_run_id": run_id}).scalar()
+        following = conn.execute(_RESERVE_REPORT_INDEX, {"b_run_id": run_id}).scalar()
         if following is None:
             raise RunNotFound(f"id {run_id}", self.namespace)
         return following - 1
 
-    def keep_counter_past(self, conn: Connection, run_id: int, report_index: int) -> None:
-        """Moves the run's counter past an index registered without a reservation
-        (a direct register_checkpoint or an import), so that no reservation returns it."""
-        conn.execute(_KEEP_COUNTER_PAST, {"b_run_id": run_id, "b_report_index": report_index})
-
-    def insert_checkpoint(self, conn: Connection, row: dict[str, Any]) -> int:
-        """Adds a checkpoints row (see checkpoint_row) and its reported metric values."""
-        checkpoint_id = conn.execute(_INSERT_CHECKPOINT, row).scalar_one()
-        values = metric_rows(checkpoint_id, row["run_id"], row["metrics"], MetricSource.REPORTED)
-        if values:
-            conn.execute(_INSERT_METRIC_VALUE, values)
-        return checkpoint_id
-
+    # ---------------------------------------------------------- checkpoints
     def find_checkpoint(
-        self, session: Session, run_id: int, report_index: int
+        self, conn: Connection | Session, run_id: int, report_index: int
     ) -> tuple[int, str, str] | None:
         """(id, uri, run name) of the run's checkpoint at a report index, or None."""
-        row = session.execute(
+        row = conn.execute(
             select(Checkpoint.id, Checkpoint.uri, Run.name)
             .join(Run, Run.id == Checkpoint.run_id)
             .where(Checkpoint.run_id == run_id, Checkpoint.report_index == report_index)
         ).first()
         return None if row is None else tuple(row)
 
-    def find_checkpoint_id(self, session: Session, run_id: int, report_index: int) -> int | None:
-        return session.scalar(
-            select(Checkpoint.id).where(
-                Checkpoint.run_id == run_id, Checkpoint.report_index == report_index
-            )
-        )
-
-    def import_checkpoints(self, run_id: int, checkpoints: Sequence[dict[str, Any]]) -> int:
-        now = utcnow()
-        rows = []
-        for item in checkpoints:
-            row = checkpoint_row(
-                run_id,
-                item["report_index"],
-                item.get("step"),
-                item.get("epoch"),
-                item["uri"],
-                item.get("size_bytes", 0),
-                item.get("manifest_sha256"),
-                normalize_metrics(item.get("metrics", {}), what="imported metrics"),
-            )
-            row.update(created_at=now, validation_status=transitions.registered_status(None))
-            rows.append(row)
-        if not rows:
-            return 0
-        with self.db.write() as conn:
-            ids = conn.execute(_INSERT_CHECKPOINTS_IN_ORDER, rows).scalars().all()
-            self.keep_counter_past(conn, run_id, max(row["report_index"] for row in rows))
-            values = [
-                value
-                for checkpoint_id, row in zip(ids, rows, strict=True)
-                for value in metric_rows(
-                    checkpoint_id, run_id, row["metrics"], MetricSource.REPORTED
-                )
-            ]
-            if values and conn.dialect.name == "postgresql":
-                _copy_metric_values(conn, values)
-            elif values:
-                conn.execute(_INSERT_METRIC_VALUE, values)
-        return len(rows)
-
     def checkpoints(
         self,
+        conn: Connection | Session,
+        run_id: int,
         run: str,
         *,
         include_deleted: bool,
         tags: dict[str, str] | None = None,
-        attempt: int | None = None,
     ) -> list[CheckpointRecord]:
-        with self.db.read() as session:
-            run_id = self.require_run_id(session, run, attempt)
-            query = checkpoints_query(run_id, include_deleted=include_deleted)
-            if tags:
-                query = query.where(*tag_conditions(tags))
-            rows = session.execute(query).all()
-            return [checkpoint_record(c, run) for c in rows]
+        """The run attempt's checkpoints in report order (only those with every tag)."""
+        query = checkpoints_query(run_id, include_deleted=include_deleted)
+        if tags:
+            query = query.where(*tag_conditions(tags))
+        return [checkpoint_record(c, run) for c in conn.execute(query).all()]
 
-    def latest(self, run: str, attempt: int | None = None) -> CheckpointRecord | None:
-        with self.db.read() as session:
-            run_id = self.require_run_id(session, run, attempt)
-            row = session.execute(
-                select(*RECORD_COLUMNS)
-                .where(Checkpoint.run_id == run_id, Checkpoint.deleted_at.is_(None))
-                .order_by(Checkpoint.report_index.desc())
-                .limit(1)
-            ).first()
-            return None if row is None else checkpoint_record(row, run)
+    def latest(self, conn: Connection | Session, run_id: int, run: str) -> CheckpointRecord | None:
+        """The run attempt's newest checkpoint that is not deleted, or None."""
+        row = conn.execute(
+            select(*RECORD_COLUMNS)
+            .where(Checkpoint.run_id == run_id, Checkpoint.deleted_at.is_(None))
+            .order_by(Checkpoint.report_index.desc())
+            .limit(1)
+        ).first()
+        return None if row is None else checkpoint_record(row, run)
+
+    def aliased(
+        self, conn: Connection | Session, run_id: int, run: str, alias: str
+    ) -> CheckpointRecord | None:
+        """The checkpoint the run attempt's ``alias`` points at (deleted or not), or None."""
+        row = conn.execute(
+            select(*RECORD_COLUMNS)
+            .join(CheckpointAlias, CheckpointAlias.checkpoint_id == Checkpoint.id)
+            .where(CheckpointAlias.run_id == run_id, CheckpointAlias.alias == alias)
+        ).first()
+        return None if row is None else checkpoint_record(row, run)
 
     def best(
         self,
@@ -482,33 +396,10 @@ def checkpoint_record(c: Row, run: str) -> CheckpointRecord:
 RECORD_COLUMNS = tuple(
     _checkpoints.c[f.name] for f in dataclasses.fields(CheckpointRecord) if f.name in _checkpoints.c
 )
-_METRIC_VALUE_COLUMNS = ("checkpoint_id", "run_id", "name", "source", "value", "effective")
-
-
-def counter_past(run_id: Any, report_index: Any):
-    """The UPDATE that moves the run's report counter past ``report_index``; it matches
-    no row (and so locks none) when the counter is past the index already."""
-    return (
-        update(_runs)
-        .where(_runs.c.id == run_id, _runs.c.next_report_index <= report_index)
-        .values(next_report_index=report_index + 1)
-    )
-
-
-def _copy_metric_values(conn: Connection, values: list[dict[str, Any]]) -> None:
-    """PostgreSQL's COPY for a bulk import's metric values (several times faster)."""
-    columns = ", ".join(_METRIC_VALUE_COLUMNS)
-    cursor = conn.connection.dbapi_connection.cursor()
-    try:
-        with cursor.copy(f"COPY metric_values ({columns}) FROM STDIN") as copy:
-            for value in values:
-                copy.write_row([value[name] for name in _METRIC_VALUE_COLUMNS])
-    finally:
-        cursor.close()
 
 
 # Statements built once, values bound per call (SQLAlchemy then reuses the compiled form
-# instead of rebuilding it from .values()): register_checkpoint runs once per report.
+# instead of rebuilding it from .values()).
 _INSERT_RUN = insert(_runs).returning(_runs.c.id)
 _RESERVE_REPORT_INDEX = (
     update(_runs)
@@ -516,12 +407,7 @@ _RESERVE_REPORT_INDEX = (
     .values(next_report_index=_runs.c.next_report_index + 1)
     .returning(_runs.c.next_report_index)
 )
-_KEEP_COUNTER_PAST = counter_past(bindparam("b_run_id"), bindparam("b_report_index"))
-_INSERT_CHECKPOINT = insert(_checkpoints).returning(_checkpoints.c.id)
 _INSERT_METRIC_VALUE = insert(_values)
-_INSERT_CHECKPOINTS_IN_ORDER = insert(_checkpoints).returning(
-    _checkpoints.c.id, sort_by_parameter_order=True
-)
 _DELETE_VALIDATED_VALUES = delete(_values).where(
     _values.c.checkpoint_id == bindparam("b_checkpoint_id"),
     _values.c.source == MetricSource.VALIDATED.value,

@@ -19,13 +19,14 @@ from typing import Any
 from sqlalchemy import bindparam, delete, func, insert, select
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection, Row
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from validation_service.errors import InvalidInput, UnknownMetric
 from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus, RunStatus, ValidationStatus
 from validation_service.metrics import normalize_metrics, rankable
 from validation_service.names import check_name
-from validation_service.registry import transitions
+from validation_service.registry import registration, transitions
 from validation_service.registry.catalog import RECORD_COLUMNS, Mode, checkpoint_record
 from validation_service.registry.limits import IDS_PER_IN_LIST
 from validation_service.registry.models import (
@@ -346,20 +347,19 @@ def revalidate(
     force: bool,
 ) -> Revalidation:
     """Queues ``request`` for the stored checkpoints of one run, a list of runs, or a
-    search() result (only ``reports``, when given), in one transaction. See
+    search() result (only ``reports``, when given), in one write transaction. See
     Registry.revalidate."""
     check_flag("force", force)
     runs, checkpoint_ids = _named_targets(run_or_runs)
     if reports is not None:
         reports = [check_report_index(index) for index in reports]
-    with registry.db.read() as session:
-        run_ids = [registry.catalog.require_run_id(session, run) for run in runs]
-        found = targets(session, registry.namespace, run_ids, checkpoint_ids)
-    if reports is not None:
-        found = only_reports(found, reports, runs or sorted({t.run for t in found}))
-    live = [t for t in found if not t.deleted]
     trust = PayloadTrust.from_settings(registry.settings)
     with registry.db.write() as conn:
+        run_ids = [registry.catalog.require_run_id(conn, run) for run in runs]
+        found = targets(conn, registry.namespace, run_ids, checkpoint_ids)
+        if reports is not None:
+            found = only_reports(found, reports, runs or sorted({t.run for t in found}))
+        live = [t for t in found if not t.deleted]
         done = set() if force else evaluated_ids(conn, request.validator, live)
         todo = [t for t in live if t.checkpoint_id not in done]
         job_ids = queue_jobs(conn, registry.namespace, request, trust, todo)
@@ -386,7 +386,8 @@ def _named_targets(run_or_runs: Any) -> tuple[list[str], list[int] | None]:
 
 
 def register(registry, run: str, uri: Any, metrics: dict | None, step: int | None):
-    """Registry.register: the folder checked, then its checkpoint row in one transaction."""
+    """Registry.register: the folder checked, then the run (made if need be), its report
+    index and the checkpoint's row in one write transaction."""
     from validation_service.storage import outside_folder
 
     check_name("run name", run)
@@ -395,31 +396,43 @@ def register(registry, run: str, uri: Any, metrics: dict | None, step: int | Non
     reported = normalize_metrics(metrics or {}, what="metrics")
     check_step(step)
     location, size = outside_folder(uri, registry.settings.storage_options)
-    run_id = registry.catalog.find_run_id(run)
-    if run_id is None:
-        storage_root = registry.settings.resolved_storage()
-        run_id = registry.catalog.ensure_run(run, storage_root=storage_root, tags=None)
-        registry.catalog.finish_run(run, RunStatus.FINISHED, None)
-    report_index = registry.catalog.reserve_report_index(run_id)
-    row = external_row(run_id, report_index, location, size, reported, step)
-    with registry.db.write() as conn:
-        registry.catalog.insert_checkpoint(conn, row)
-    return report_index
+    catalog = registry.catalog
+    for _ in range(3):
+        try:
+            with registry.db.write() as conn:
+                run_id = catalog.run_id(conn, run)
+                if run_id is None:  # a run of its own, ended: no report goes on in it
+                    storage_root = registry.settings.resolved_storage()
+                    run_id = catalog.insert_run(
+                        conn,
+                        run,
+                        storage_root=storage_root,
+                        tags=None,
+                        attempt=1,
+                        status=RunStatus.FINISHED,
+                    )
+                report_index = catalog.reserve_report_index(conn, run_id)
+                row = external_row(run_id, report_index, location, size, reported, step)
+                registration.register(conn, row, None)
+            return report_index
+        except IntegrityError:
+            continue  # the run was made meanwhile by another writer: use it
+    raise RuntimeError(f"could not create or find run {run!r}")
 
 
-def best_records(registry, run, metric, mode, k, tags, attempt, validator):
-    """Registry.best_checkpoint(_record)s by a named evaluation's values."""
+def best_records(session: Session, catalog, run, metric, mode, k, tags, attempt, validator):
+    """Registry.best_checkpoint(_record)s by a named evaluation's values, in the caller's
+    read (``catalog``: the Registry's, of its namespace)."""
     check_name("validator name", validator)
     if tags:
         raise InvalidInput("tags= filters the default validator's ranking only")
     if mode not in ("max", "min"):
         raise InvalidInput(f"mode must be 'max' or 'min', got {mode!r}")
-    with registry.db.read() as session:
-        run_id = None if run is None else registry.catalog.require_run_id(session, run, attempt)
-        found = best(session, registry.namespace, run_id, validator, metric, mode, k)
-        if found:
-            return by_validator(session, found)
-        known = known_metrics(session, run_id, validator)
-        if metric in known or active_jobs(session, run_id, validator):
-            return []
-        raise UnknownMetric(metric, run, sorted(known), validator=validator)
+    run_id = None if run is None else catalog.require_run_id(session, run, attempt)
+    found = best(session, catalog.namespace, run_id, validator, metric, mode, k)
+    if found:
+        return by_validator(session, found)
+    known = known_metrics(session, run_id, validator)
+    if metric in known or active_jobs(session, run_id, validator):
+        return []
+    raise UnknownMetric(metric, run, sorted(known), validator=validator)

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 
 from sqlalchemy import bindparam, exists, select
+from sqlalchemy.engine import Connection
 
 from validation_service.config import Settings
 from validation_service.errors import UnknownMetric
@@ -46,14 +47,8 @@ class Housekeeping:
     def refresh_tracked_aliases(self, run_id: int) -> dict[str, int]:
         """Moves the run's tracked aliases onto its current best checkpoints; returns
         alias -> report index of those that point somewhere."""
-        pointed: dict[str, int] = {}
         with self.db.write() as conn:
-            for alias, metric, mode in alias_store.tracking_rules(conn, run_id):
-                best = self.catalog.best(conn, run_id, metric, mode, 1)
-                if best:
-                    alias_store.set_alias(conn, run_id, alias, best[0].id)
-                    pointed[alias] = best[0].report_index
-        return pointed
+            return move_tracked_aliases(conn, self.catalog, run_id)
 
     @retry_on_disconnect
     def plan_retention(
@@ -162,7 +157,7 @@ class Housekeeping:
             namespace, name = todo.namespace, todo.name
             catalog = self.catalog
             if namespace != catalog.namespace:
-                catalog = Catalog(self.db, namespace)
+                catalog = Catalog(namespace)
             if name in stored:
                 self.apply_retention(catalog, stored[name], dry_run=False, strict=False)
             elif None in stored:
@@ -181,6 +176,19 @@ class Housekeeping:
             self.stopping.evaluate(run_id)
         except Exception:  # noqa: BLE001 - the next validation of the run judges again
             logger.exception("stop policy after a validation of run id %s", run_id)
+
+
+def move_tracked_aliases(conn: Connection, catalog: Catalog, run_id: int) -> dict[str, int]:
+    """Points each tracked alias of the run at its best checkpoint by the alias's metric,
+    in the caller's write transaction; returns alias -> report index of those that point
+    somewhere."""
+    pointed: dict[str, int] = {}
+    for alias, metric, mode in alias_store.tracking_rules(conn, run_id):
+        best = catalog.best(conn, run_id, metric, mode, 1)
+        if best:
+            alias_store.set_alias(conn, run_id, alias, best[0].id)
+            pointed[alias] = best[0].report_index
+    return pointed
 
 
 # What follows a run attempt's merged metrics, in one round trip: its namespace and name,

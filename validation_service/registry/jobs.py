@@ -1,6 +1,8 @@
 """The scheduler's queue operations: what is due, claims, leases, outcomes and lost
-leases. A thin layer over the queue, the catalog's metric merge and the transitions;
-``Registry.job_queue``.
+leases; and the operators' cancel and retry. Each opens its one transaction here and
+runs the queue's statements (queue.py), the catalog's metric merge and the transitions
+in it. ``JobQueue`` is what a service replica opens (composition.open_service_parts);
+the users' ``Registry.job_queue`` is the same.
 """
 
 from __future__ import annotations
@@ -16,13 +18,12 @@ from sqlalchemy.exc import IntegrityError
 from validation_service.errors import InvalidInput, RegistryRejected, RetryLimitReached
 from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus
 from validation_service.metrics import normalize_metrics
-from validation_service.registry import evaluations, job_warnings, transitions
+from validation_service.registry import evaluations, job_warnings, queue, transitions
 from validation_service.registry.catalog import Catalog
 from validation_service.registry.database import Database, retry_on_disconnect
 from validation_service.registry.housekeeping import Housekeeping
 from validation_service.registry.models import utcnow
-from validation_service.registry.queue import Queue
-from validation_service.registry.records import ClaimedJob, JobOutcome
+from validation_service.registry.records import ClaimedJob, JobOutcome, JobRecord
 from validation_service.retry import AttemptBudget, RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -35,13 +36,11 @@ class JobQueue:
         self,
         db: Database,
         catalog: Catalog,
-        queue: Queue,
         housekeeping: Housekeeping,
         retry_policy: RetryPolicy,
     ):
         self.db = db
         self.catalog = catalog
-        self.queue = queue
         self.housekeeping = housekeeping
         # Decides what a failure leads to when the caller (the scheduler) brings no policy.
         self.retry_policy = retry_policy
@@ -49,12 +48,14 @@ class JobQueue:
     @retry_on_disconnect
     def due_pools(self, now: dt.datetime | None = None) -> list[str]:
         """Pools that have at least one QUEUED job whose not_before has passed."""
-        return self.queue.due_pools(now)
+        with self.db.read() as session:
+            return queue.due_pools(session, now or utcnow())
 
     @retry_on_disconnect
     def running_per_pool(self) -> dict[str, int]:
         """RUNNING jobs per pool, whoever holds them (replicas share the pools' caps)."""
-        return self.queue.running_per_pool()
+        with self.db.read() as session:
+            return queue.running_per_pool(session)
 
     @retry_on_disconnect
     def claim_due_jobs(
@@ -71,9 +72,24 @@ class JobQueue:
         Each claimed job moves to RUNNING with a new fencing token and a lease of
         ``lease_s`` seconds; an attempt row is opened for it.
         """
-        return self.queue.claim_due(
-            owner, pool_limits, lease_s=lease_s, default_limit=default_limit, max_jobs=max_jobs
-        )
+        now = utcnow()
+        expires = now + dt.timedelta(seconds=lease_s)
+        claimed: list[ClaimedJob] = []
+        with self.db.write() as conn:
+            for pool in queue.due_pools(conn, now):
+                # The cap is the cluster's: replicas claiming the same pool take turns.
+                queue.lock_pool(conn, pool)
+                running = queue.running_in_pool(conn, pool)
+                limit = pool_limits.get(pool, default_limit)
+                free = min(limit - running, max_jobs - len(claimed))
+                if free <= 0:
+                    continue
+                background = queue.background_slots(limit, running)
+                ids = queue.lock_due_job_ids(conn, pool, now, free, background)
+                if ids:
+                    rows = transitions.claim(conn, ids, owner=owner, expires=expires, now=now)
+                    claimed.extend(queue.claimed_job(row, expires) for row in rows)
+        return claimed
 
     @retry_on_disconnect
     def heartbeat(
@@ -83,7 +99,20 @@ class JobQueue:
 
         A job missing from the result was cancelled or taken over: its attempt must stop.
         """
-        return self.queue.heartbeat(owner, leases, lease_s=lease_s)
+        leases = list(leases)
+        if not leases:
+            return set()
+        expires = utcnow() + dt.timedelta(seconds=lease_s)
+        with self.db.write() as conn:
+            return transitions.extend_leases(conn, owner, leases, expires)
+
+    @retry_on_disconnect
+    def job_and_run_tags(
+        self, job_id: int, run: str, namespace: str
+    ) -> tuple[JobRecord, dict[str, Any]]:
+        """A job's record and its run's tags (the sinks log its metrics with them)."""
+        with self.db.read() as session:
+            return queue.get_job(session, job_id), self.catalog.run_tags(session, run, namespace)
 
     @retry_on_disconnect
     def finish_job(
@@ -178,12 +207,14 @@ class JobQueue:
             return job_warnings.add_warnings(conn, job_id, messages)
 
     # ------------------------------------------------------- operators' commands
-    def cancel(self, job_ids: list[int] | None, run_id: int | None, reason: str) -> list[int]:
-        """Cancels the QUEUED and RUNNING jobs among ``job_ids`` (or of the run); a RUNNING
-        one loses its lease at once. The runs' stop policies are judged again: their later
-        results wait no more for the cancelled ones. Returns the ids cancelled."""
+    def cancel(self, job_ids: list[int] | None, run: str | None, reason: str) -> list[int]:
+        """Cancels the QUEUED and RUNNING jobs among ``job_ids`` (or of the run's latest
+        attempt); a RUNNING one loses its lease at once. Returns the ids cancelled. The
+        runs' stop policies are judged again afterwards: their later results wait no more
+        for the cancelled ones."""
         with self.db.write() as conn:
-            jobs = self.queue.select_jobs(conn, transitions.FROM_STATES["cancel"], job_ids, run_id)
+            run_id = None if run is None else self.catalog.require_run_id(conn, run)
+            jobs = queue.select_jobs(conn, transitions.FROM_STATES["cancel"], job_ids, run_id)
             cancelled = transitions.cancel(
                 conn,
                 jobs,
@@ -197,14 +228,16 @@ class JobQueue:
     def retry(
         self,
         job_ids: list[int] | None,
-        run_id: int | None,
+        run: str | None,
         statuses: list[JobStatus],
         max_retries: int | None,
     ) -> list[int]:
-        """Requeues the jobs in ``statuses`` among ``job_ids`` (or of the run) with a fresh
-        attempt budget, within ``max_retries`` (see Registry.retry_jobs)."""
+        """Requeues the jobs in ``statuses`` among ``job_ids`` (or of the run's latest
+        attempt) with a fresh attempt budget, within ``max_retries`` (see
+        Registry.retry_jobs)."""
         with self.db.write() as conn:
-            jobs = self.queue.select_jobs(conn, statuses, job_ids, run_id)
+            run_id = None if run is None else self.catalog.require_run_id(conn, run)
+            jobs = queue.select_jobs(conn, statuses, job_ids, run_id)
             if max_retries is not None:
                 spent = [j.id for j in jobs if AttemptBudget.of(j).retries_spent(max_retries)]
                 if spent and (job_ids is not None or len(spent) == len(jobs)):
@@ -220,7 +253,7 @@ class JobQueue:
         now = now or utcnow()
         ended: set[int] = set()
         with self.db.write() as conn:
-            jobs = self.queue.expired(conn, now)
+            jobs = queue.expired(conn, now)
             requeued = self._lost_leases(conn, jobs, policy, now, "expired at {expires}", ended)
         self._judge_stop_policies(ended)
         return requeued
@@ -237,7 +270,7 @@ class JobQueue:
         now = utcnow()
         ended: set[int] = set()
         with self.db.write() as conn:
-            jobs = self.queue.leased_by_others(conn, owner_prefix, keep_owner)
+            jobs = queue.leased_by_others(conn, owner_prefix, keep_owner)
             what = "released by its restarted service"
             requeued = self._lost_leases(conn, jobs, policy, now, what, ended)
         self._judge_stop_policies(ended)
@@ -253,12 +286,12 @@ class JobQueue:
         launched = set(launched)
         # A read first: as a rule there is nothing to release.
         with self.db.read() as session:
-            if not self.queue.leased_by(session, owner, exclude=launched):
+            if not queue.leased_by(session, owner, exclude=launched):
                 return []
         now = utcnow()
         ended: set[int] = set()
         with self.db.write() as conn:
-            jobs = self.queue.leased_by(conn, owner, exclude=launched)
+            jobs = queue.leased_by(conn, owner, exclude=launched)
             what = "claimed, but its claim's answer was lost"
             requeued = self._lost_leases(conn, jobs, policy, now, what, ended)
         self._judge_stop_policies(ended)

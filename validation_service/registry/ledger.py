@@ -1,11 +1,14 @@
 """The reporter's writes: runs and their attempts, report indices, and checkpoint
-registrations (a checkpoint and its validation job in one transaction).
+registrations (a checkpoint and its validation job, registration.py's statement).
 
-A thin layer over the catalog, the queue and their transitions; ``Registry.ledger``.
+``Ledger`` is what a reporting process opens (composition.open_report_writer); the
+users' ``Registry.ledger`` is the same. Each method takes one transaction; the SQL is the
+catalog's and registration.py's.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,24 +18,23 @@ from validation_service import validation
 from validation_service.errors import InvalidInput, RegistryRejected, ReportIndexTaken
 from validation_service.jobs import RunStatus
 from validation_service.metrics import normalize_metrics
-from validation_service.registry import transitions
-from validation_service.registry.catalog import Catalog, checkpoint_row
+from validation_service.registry import queue, raw_sql, registration, transitions
+from validation_service.registry.catalog import Catalog, check_run_name, checkpoint_row
 from validation_service.registry.database import Database, retry_on_disconnect
 from validation_service.registry.models import utcnow
-from validation_service.registry.queue import Queue
 from validation_service.registry.records import Registration
-from validation_service.registry.registration import insert_checkpoint_and_job
 from validation_service.request import ValidationRequest
+
+logger = logging.getLogger(__name__)
 
 
 class Ledger:
     """What a reporting process writes: its run, the indices of its reports, their
     checkpoints and validation jobs."""
 
-    def __init__(self, db: Database, catalog: Catalog, queue: Queue):
+    def __init__(self, db: Database, catalog: Catalog):
         self.db = db
         self.catalog = catalog
-        self.queue = queue
 
     # ------------------------------------------------------------------- runs
     @retry_on_disconnect
@@ -46,31 +48,65 @@ class Ledger:
     ) -> int:
         """The id of the named run's current attempt in this namespace, created if needed.
 
-        A run that ended (FINISHED or FAILED) gets a new attempt, with a warning, unless
-        ``append``: then its last attempt is reopened and reports go on in it.
+        The latest attempt while it is RUNNING (a Ray Train run restarted after a worker
+        failure goes on in it). A run that ended (FINISHED or FAILED) gets a new attempt,
+        with a warning, unless ``append``: then its last attempt is reopened and reports
+        go on in it. One write transaction (another when a concurrent reporter created
+        the attempt first).
         """
-        return self.catalog.ensure_run(name, storage_root=storage_root, tags=tags, append=append)
+        check_run_name(name)
+        for _ in range(3):
+            try:
+                with self.db.write() as conn:
+                    latest = self.catalog.latest_attempt(conn, name)
+                    if latest is not None and latest.status == RunStatus.RUNNING.value:
+                        return latest.id
+                    if latest is not None and append:
+                        self.catalog.reopen(conn, latest.id)
+                        return latest.id
+                    attempt = 1 if latest is None else latest.attempt + 1
+                    run_id = self.catalog.insert_run(
+                        conn, name, storage_root=storage_root, tags=tags, attempt=attempt
+                    )
+            except IntegrityError:
+                continue  # another reporter created it first
+            if latest is not None:
+                logger.warning(
+                    "run %r ended (%s) at %s; starting attempt %d; pass append=True / "
+                    "--append (CKVAL_APPEND=1 inside Ray Train) to keep adding to attempt %d",
+                    name,
+                    latest.status,
+                    latest.ended_at.isoformat() if latest.ended_at else "an unknown time",
+                    attempt,
+                    latest.attempt,
+                )
+            return run_id
+        raise RuntimeError(f"could not create or find run {name!r}")
+
+    @retry_on_disconnect
+    def reporting_attempt(self, name: str, *, append: bool = False) -> tuple[int | None, int]:
+        """Where the run's next report goes, read once and writing nothing: (the id of
+        its latest attempt while RUNNING, else None; the attempt number: the latest's
+        while RUNNING, also once ended with ``append``, else the next; 1 for a new run)."""
+        with self.db.read() as session:
+            latest = self.catalog.latest_attempt(session, name)
+        if latest is None:
+            return None, 1
+        running = latest.status == RunStatus.RUNNING.value
+        attempt = latest.attempt if running or append else latest.attempt + 1
+        return (latest.id if running else None), attempt
 
     @retry_on_disconnect
     def run_tags(self, name: str, namespace: str | None = None) -> dict[str, Any]:
         """The tags of the named run (of this namespace, or of ``namespace``); {} if none."""
-        return self.catalog.run_tags(name, namespace)
+        with self.db.read() as session:
+            return self.catalog.run_tags(session, name, namespace)
 
     @retry_on_disconnect
     def tag_run(self, run_id: int, tags: dict[str, Any]) -> None:
         """Sets these tags of the run, keeping its others."""
-        self.catalog.merge_run_tags(run_id, tags)
-
-    @retry_on_disconnect
-    def current_run_id(self, name: str, *, append: bool = False) -> int | None:
-        """The attempt the run's next report goes to, if it exists: its latest attempt while
-        RUNNING (also once ended, with ``append``); None when a new attempt is due."""
-        return self.catalog.current_run_id(name, append=append)
-
-    @retry_on_disconnect
-    def next_attempt(self, name: str, *, append: bool = False) -> int:
-        """The attempt the run's next report goes to (1 for a new run); writes nothing."""
-        return self.catalog.next_attempt(name, append=append)
+        with self.db.write() as conn:
+            self.catalog.merge_run_tags(conn, run_id, tags)
 
     @retry_on_disconnect
     def finish_run(
@@ -78,8 +114,9 @@ class Ledger:
     ) -> bool:
         """Ends the run's latest attempt (or ``attempt``) as FINISHED or FAILED.
 
-        Returns False, changing nothing, when it had ended already. The run's name used
-        again starts a new attempt (see ensure_run).
+        Returns False, changing nothing, when it had ended already. RunNotFound when the
+        run has no such attempt. The run's name used again starts a new attempt (see
+        ensure_run).
         """
         try:
             status = RunStatus(status)
@@ -90,13 +127,16 @@ class Ledger:
                 f"a run ends as {RunStatus.FINISHED.value} or {RunStatus.FAILED.value}, "
                 f"not {status!r}"
             )
-        return self.catalog.finish_run(run, status, attempt)
+        with self.db.write() as conn:
+            run_id = self.catalog.require_run_id(conn, run, attempt)
+            return self.catalog.end_run(conn, run_id, status)
 
     # ------------------------------------------------------------ checkpoints
     @retry_on_disconnect
     def next_report_index(self, run_id: int) -> int:
         """The report index the run's next reservation gets; reserves nothing."""
-        return self.catalog.next_report_index(run_id)
+        with self.db.read() as session:
+            return self.catalog.next_report_index(session, run_id)
 
     @retry_on_disconnect
     def reserve_report_index(self, run_id: int) -> int:
@@ -105,9 +145,10 @@ class Ledger:
         Every reporting process, however many report to the run, takes its indices
         here, before it copies the checkpoint into the folder named after the index.
         An index whose report is never registered (its copy failed, its process died)
-        stays unused: indices only ever increase.
+        stays unused: indices only ever increase. One statement.
         """
-        return self.catalog.reserve_report_index(run_id)
+        with self.db.one_statement() as conn:
+            return self.catalog.reserve_report_index(conn, run_id)
 
     @retry_on_disconnect
     def register_checkpoint(
@@ -123,7 +164,8 @@ class Ledger:
         epoch: int | None = None,
         job: ValidationRequest | None = None,
     ) -> Registration:
-        """Registers a checkpoint and enqueues its validation in one transaction.
+        """Registers a checkpoint and enqueues its validation in one transaction (on
+        PostgreSQL one statement, registration.py's).
 
         Idempotent: the same report (run, report index and URI) registered again returns
         the rows made the first time. Another checkpoint at an index already taken
@@ -139,23 +181,27 @@ class Ledger:
             run_id, report_index, step, epoch, uri, size_bytes, manifest_sha256, metrics
         )
         row.update(created_at=now, validation_status=transitions.registered_status(job))
+        coalescing = job is not None and job.coalesce == "latest"
         try:
             # The common case is a new report: insert straight away and let the unique
             # constraints catch a repeated one.
-            with self.db.write() as conn:
-                checkpoint_id, job_id = insert_checkpoint_and_job(conn, self.catalog, row, job, now)
-                if job is not None and job.coalesce == "latest":
+            if not coalescing:
+                with self.db.one_statement() as conn:
+                    checkpoint_id, job_id = registration.register(conn, row, job)
+            else:
+                with self.db.write() as conn:
+                    checkpoint_id, job_id = registration.register(conn, row, job)
                     transitions.cancel(
                         conn,
-                        self.queue.queued_before(conn, run_id, report_index),
+                        queue.queued_before(conn, run_id, report_index),
                         error_type="Coalesced",
                         message=f"skipped: report {report_index} of the run superseded it "
                         "(coalesce='latest')",
                         now=now,
                     )
-                return Registration(run_id, checkpoint_id, job_id, created=True)
         except IntegrityError as exc:
             return self._registered_before(run_id, report_index, uri, exc)
+        return Registration(run_id, checkpoint_id, job_id, created=True)
 
     def _registered_before(
         self, run_id: int, report_index: int, uri: str, exc: IntegrityError
@@ -169,7 +215,7 @@ class Ledger:
             checkpoint_id, existing_uri, run_name = existing
             if existing_uri != uri:
                 raise ReportIndexTaken(run_name, report_index, uri, existing_uri) from None
-            job_id = self.queue.find_job_id(session, run_id, report_index)
+            job_id = queue.find_job_id(session, run_id, report_index)
         return Registration(run_id, checkpoint_id, job_id, created=False)
 
     def import_checkpoints(self, run_id: int, checkpoints: Sequence[dict[str, Any]]) -> int:
@@ -179,9 +225,27 @@ class Ledger:
         ``size_bytes``, ``manifest_sha256``, ``step`` and ``epoch``. For bringing existing
         checkpoints into the registry; returns how many were added.
         """
-        return self.catalog.import_checkpoints(run_id, checkpoints)
+        now = utcnow()
+        rows = []
+        for item in checkpoints:
+            row = checkpoint_row(
+                run_id,
+                item["report_index"],
+                item.get("step"),
+                item.get("epoch"),
+                item["uri"],
+                item.get("size_bytes", 0),
+                item.get("manifest_sha256"),
+                normalize_metrics(item.get("metrics", {}), what="imported metrics"),
+            )
+            row.update(created_at=now, validation_status=transitions.registered_status(None))
+            rows.append(row)
+        if rows:
+            with self.db.write() as conn:
+                registration.import_rows(conn, run_id, rows)
+        return len(rows)
 
     def analyze(self) -> None:
         """Refreshes the planner's statistics (after a bulk import; autovacuum does it later)."""
         with self.db.autocommit() as conn:
-            conn.exec_driver_sql("ANALYZE")
+            conn.exec_driver_sql(raw_sql.ANALYZE)

@@ -1,4 +1,5 @@
-"""The validation queue: what is due, claims, leases, and the jobs a change applies to.
+"""The validation queue's statements: what is due, the jobs' records and counts, and the
+jobs a change applies to. Each runs in its caller's transaction (it opens none).
 
 Every change of a job's state goes through transitions.py; this module finds the jobs.
 """
@@ -10,21 +11,19 @@ import datetime as dt
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, text
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.engine import Connection, Row
 from sqlalchemy.orm import Session, selectinload
 
 from validation_service.errors import JobNotFound
 from validation_service.jobs import ACTIVE_JOB_STATUSES, DEFAULT_VALIDATOR, JobStatus
-from validation_service.registry import transitions
-from validation_service.registry.database import Database
+from validation_service.registry import raw_sql, transitions
 from validation_service.registry.limits import IDS_PER_IN_LIST
 from validation_service.registry.models import (
     Checkpoint,
     Run,
     ValidationAttempt,
     ValidationJob,
-    utcnow,
 )
 from validation_service.registry.records import (
     AttemptRecord,
@@ -52,196 +51,162 @@ LEASE_COLUMNS = (
 )
 
 
-class Queue:
-    """Validation jobs: claims and leases in their own transactions, reads for the rest."""
-
-    def __init__(self, db: Database):
-        self.db = db
-
-    # ----------------------------------------------------------------- reads
-    def validations(self, session: Session, run_id: int, run: str) -> list[JobRecord]:
-        rows = session.execute(
-            select(ValidationJob, Checkpoint.report_index)
-            .join(Checkpoint, Checkpoint.id == ValidationJob.checkpoint_id)
-            .options(selectinload(ValidationJob.attempt_rows))
-            .where(ValidationJob.run_id == run_id)
-            .order_by(ValidationJob.id)
-        ).all()
-        return [job_record(job, run, index) for job, index in rows]
-
-    def list_jobs(
-        self,
-        session: Session,
-        namespace: str,
-        *,
-        run_id: int | None = None,
-        statuses: Sequence[str] | None = None,
-        pool: str | None = None,
-        limit: int | None = None,
-    ) -> list[JobRecord]:
-        """Jobs of the namespace (or of one run), filtered; the newest ``limit``, oldest first."""
-        query = list_jobs_query(namespace, run_id, statuses or None, pool, limit)
-        rows = session.execute(query).all()
-        attempts = attempts_by_job(session, [job.id for job, _, _ in rows])
-        return [
-            job_record(job, run, index, attempts.get(job.id, ()))
-            for job, index, run in reversed(rows)
-        ]
-
-    def get_job(self, job_id: int, namespace: str | None = None) -> JobRecord:
-        """The job with this id (only if its run is in ``namespace``, when given)."""
-        query = _job_query().where(ValidationJob.id == job_id)
-        if namespace is not None:
-            query = query.where(Run.namespace == namespace)
-        with self.db.read() as session:
-            row = session.execute(query).first()
-            if row is None:
-                raise JobNotFound(job_id)
-            job, index, run = row
-            return job_record(job, run, index)
-
-    def job_counts(self, session: Session, run_id: int | None) -> dict[str, int]:
-        query = select(ValidationJob.status, func.count(ValidationJob.id)).group_by(
-            ValidationJob.status
-        )
-        if run_id is not None:
-            query = query.where(ValidationJob.run_id == run_id)
-        return {status: count for status, count in session.execute(query)}
-
-    def job_counts_by_run(self, session: Session, namespace: str) -> dict[int, dict[str, int]]:
-        """Run id -> {status: jobs}, for every run of the namespace, in one query."""
-        counts: dict[int, dict[str, int]] = {}
-        for run_id, status, count in session.execute(job_counts_by_run_query(namespace)):
-            counts.setdefault(run_id, {})[status] = count
-        return counts
-
-    def active_count(self, session: Session, run_id: int | None) -> int:
-        """QUEUED and RUNNING jobs of the run (of every run: None)."""
-        return session.scalar(active_count_query(run_id)) or 0
-
-    def find_job_id(self, session: Session, run_id: int, report_index: int) -> int | None:
-        key = transitions.idempotency_key(run_id, report_index)
-        return session.scalar(select(_jobs.c.id).where(_jobs.c.idempotency_key == key))
-
-    def due_pools(self, now: dt.datetime | None = None) -> list[str]:
-        with self.db.read() as session:
-            return _due_pools(session, now or utcnow())
-
-    def running_per_pool(self) -> dict[str, int]:
-        with self.db.read() as session:
-            return dict(session.execute(_RUNNING_PER_POOL).all())
-
-    # ------------------------------------------------------- claims, leases
-    def claim_due(
-        self,
-        owner: str,
-        pool_limits: dict[str, int],
-        *,
-        lease_s: float,
-        default_limit: int,
-        max_jobs: int,
-    ) -> list[ClaimedJob]:
-        now = utcnow()
-        expires = now + dt.timedelta(seconds=lease_s)
-        claimed: list[ClaimedJob] = []
-        with self.db.write() as conn:
-            for pool in _due_pools(conn, now):
-                # The cap is the cluster's: replicas claiming the same pool take turns.
-                _lock_pool(conn, pool)
-                running = conn.execute(_RUNNING_IN_POOL, {"b_pool": pool}).scalar_one()
-                limit = pool_limits.get(pool, default_limit)
-                free = min(limit - running, max_jobs - len(claimed))
-                if free <= 0:
-                    continue
-                ids = _lock_due_job_ids(conn, pool, now, free, _background_slots(limit, running))
-                if ids:
-                    rows = transitions.claim(conn, ids, owner=owner, expires=expires, now=now)
-                    claimed.extend(claimed_job(row, expires) for row in rows)
-        return claimed
-
-    def heartbeat(
-        self, owner: str, leases: Iterable[tuple[int, int]], *, lease_s: float
-    ) -> set[int]:
-        leases = list(leases)
-        if not leases:
-            return set()
-        expires = utcnow() + dt.timedelta(seconds=lease_s)
-        with self.db.write() as conn:
-            return transitions.extend_leases(conn, owner, leases, expires)
-
-    # --------------------------------------------- jobs a transition applies to
-    def expired(self, conn: Connection, now: dt.datetime) -> Sequence[Row]:
-        """RUNNING jobs whose lease ran out."""
-        return conn.execute(
-            select(*LEASE_COLUMNS).where(
-                _jobs.c.status == JobStatus.RUNNING.value, _jobs.c.lease_expires_at < now
-            )
-        ).all()
-
-    def leased_by_others(self, conn: Connection, owner_prefix: str, keep_owner: str):
-        """RUNNING jobs leased by owners named ``owner_prefix...`` other than ``keep_owner``."""
-        return conn.execute(
-            select(*LEASE_COLUMNS).where(
-                _jobs.c.status == JobStatus.RUNNING.value,
-                _jobs.c.lease_owner.startswith(owner_prefix, autoescape=True),
-                _jobs.c.lease_owner != keep_owner,
-            )
-        ).all()
-
-    def leased_by(self, conn: Connection | Session, owner: str, exclude: set[int]) -> list[Row]:
-        """RUNNING jobs leased by ``owner``, but those in ``exclude``."""
-        rows = conn.execute(
-            select(*LEASE_COLUMNS).where(
-                _jobs.c.status == JobStatus.RUNNING.value, _jobs.c.lease_owner == owner
-            )
-        ).all()
-        return [row for row in rows if row.id not in exclude]
-
-    def select_jobs(
-        self,
-        conn: Connection,
-        statuses: Iterable[JobStatus],
-        job_ids: Sequence[int] | None,
-        run_id: int | None,
-    ) -> Sequence[Row]:
-        """Jobs in these statuses, by id and/or run, in id order."""
-        query = select(*LEASE_COLUMNS).where(_jobs.c.status.in_([s.value for s in statuses]))
-        if job_ids is not None:
-            query = query.where(_jobs.c.id.in_(list(job_ids)))
-        if run_id is not None:
-            query = query.where(_jobs.c.run_id == run_id)
-        return conn.execute(query.order_by(_jobs.c.id)).all()
-
-    def queued_before(self, conn: Connection, run_id: int, report_index: int) -> Sequence[Row]:
-        """The run's QUEUED jobs of reports older than ``report_index`` (report()'s own:
-        a named evaluation's jobs over history are no live run's to coalesce)."""
-        checkpoints = Checkpoint.__table__
-        return conn.execute(
-            select(*LEASE_COLUMNS)
-            .join(checkpoints, checkpoints.c.id == _jobs.c.checkpoint_id)
-            .where(
-                _jobs.c.run_id == run_id,
-                _jobs.c.status == JobStatus.QUEUED.value,
-                _jobs.c.validator == DEFAULT_VALIDATOR,
-                checkpoints.c.report_index < report_index,
-            )
-            .order_by(_jobs.c.id)
-        ).all()
+# ------------------------------------------------------------------- reads
+def validations(session: Session, run_id: int, run: str) -> list[JobRecord]:
+    """The run attempt's jobs in id order, with their attempts."""
+    rows = session.execute(
+        select(ValidationJob, Checkpoint.report_index)
+        .join(Checkpoint, Checkpoint.id == ValidationJob.checkpoint_id)
+        .options(selectinload(ValidationJob.attempt_rows))
+        .where(ValidationJob.run_id == run_id)
+        .order_by(ValidationJob.id)
+    ).all()
+    return [job_record(job, run, index) for job, index in rows]
 
 
-def _due_pools(conn: Connection | Session, now: dt.datetime) -> list[str]:
+def list_jobs(
+    session: Session,
+    namespace: str,
+    *,
+    run_id: int | None = None,
+    statuses: Sequence[str] | None = None,
+    pool: str | None = None,
+    limit: int | None = None,
+) -> list[JobRecord]:
+    """Jobs of the namespace (or of one run), filtered; the newest ``limit``, oldest first."""
+    query = list_jobs_query(namespace, run_id, statuses or None, pool, limit)
+    rows = session.execute(query).all()
+    attempts = attempts_by_job(session, [job.id for job, _, _ in rows])
+    return [
+        job_record(job, run, index, attempts.get(job.id, ())) for job, index, run in reversed(rows)
+    ]
+
+
+def get_job(session: Session, job_id: int, namespace: str | None = None) -> JobRecord:
+    """The job with this id (only if its run is in ``namespace``, when given)."""
+    query = _job_query().where(ValidationJob.id == job_id)
+    if namespace is not None:
+        query = query.where(Run.namespace == namespace)
+    row = session.execute(query).first()
+    if row is None:
+        raise JobNotFound(job_id)
+    job, index, run = row
+    return job_record(job, run, index)
+
+
+def job_counts(session: Session, run_id: int | None) -> dict[str, int]:
+    query = select(ValidationJob.status, func.count(ValidationJob.id)).group_by(
+        ValidationJob.status
+    )
+    if run_id is not None:
+        query = query.where(ValidationJob.run_id == run_id)
+    return {status: count for status, count in session.execute(query)}
+
+
+def job_counts_by_run(session: Session, namespace: str) -> dict[int, dict[str, int]]:
+    """Run id -> {status: jobs}, for every run of the namespace, in one query."""
+    counts: dict[int, dict[str, int]] = {}
+    for run_id, status, count in session.execute(job_counts_by_run_query(namespace)):
+        counts.setdefault(run_id, {})[status] = count
+    return counts
+
+
+def active_count(session: Session, run_id: int | None) -> int:
+    """QUEUED and RUNNING jobs of the run (of every run: None)."""
+    return session.scalar(active_count_query(run_id)) or 0
+
+
+def find_job_id(session: Session | Connection, run_id: int, report_index: int) -> int | None:
+    key = transitions.idempotency_key(run_id, report_index)
+    return session.scalar(select(_jobs.c.id).where(_jobs.c.idempotency_key == key))
+
+
+def due_pools(conn: Connection | Session, now: dt.datetime) -> list[str]:
+    """Pools that have at least one QUEUED job whose not_before has passed."""
     params = {"queued": JobStatus.QUEUED.value, "now": now}
-    return [pool for pool, due in conn.execute(_DUE_POOLS, params) if due]
+    return [pool for pool, due in conn.execute(raw_sql.DUE_POOLS, params) if due]
 
 
-def _background_slots(limit: int, running: int) -> int:
+def running_per_pool(conn: Connection | Session) -> dict[str, int]:
+    """RUNNING jobs per pool, whoever holds them."""
+    return dict(conn.execute(_RUNNING_PER_POOL).all())
+
+
+def running_in_pool(conn: Connection, pool: str) -> int:
+    return conn.execute(_RUNNING_IN_POOL, {"b_pool": pool}).scalar_one()
+
+
+# --------------------------------------------- jobs a transition applies to
+def expired(conn: Connection, now: dt.datetime) -> Sequence[Row]:
+    """RUNNING jobs whose lease ran out."""
+    return conn.execute(
+        select(*LEASE_COLUMNS).where(
+            _jobs.c.status == JobStatus.RUNNING.value, _jobs.c.lease_expires_at < now
+        )
+    ).all()
+
+
+def leased_by_others(conn: Connection, owner_prefix: str, keep_owner: str) -> Sequence[Row]:
+    """RUNNING jobs leased by owners named ``owner_prefix...`` other than ``keep_owner``."""
+    return conn.execute(
+        select(*LEASE_COLUMNS).where(
+            _jobs.c.status == JobStatus.RUNNING.value,
+            _jobs.c.lease_owner.startswith(owner_prefix, autoescape=True),
+            _jobs.c.lease_owner != keep_owner,
+        )
+    ).all()
+
+
+def leased_by(conn: Connection | Session, owner: str, exclude: set[int]) -> list[Row]:
+    """RUNNING jobs leased by ``owner``, but those in ``exclude``."""
+    rows = conn.execute(
+        select(*LEASE_COLUMNS).where(
+            _jobs.c.status == JobStatus.RUNNING.value, _jobs.c.lease_owner == owner
+        )
+    ).all()
+    return [row for row in rows if row.id not in exclude]
+
+
+def select_jobs(
+    conn: Connection,
+    statuses: Iterable[JobStatus],
+    job_ids: Sequence[int] | None,
+    run_id: int | None,
+) -> Sequence[Row]:
+    """Jobs in these statuses, by id and/or run, in id order."""
+    query = select(*LEASE_COLUMNS).where(_jobs.c.status.in_([s.value for s in statuses]))
+    if job_ids is not None:
+        query = query.where(_jobs.c.id.in_(list(job_ids)))
+    if run_id is not None:
+        query = query.where(_jobs.c.run_id == run_id)
+    return conn.execute(query.order_by(_jobs.c.id)).all()
+
+
+def queued_before(conn: Connection, run_id: int, report_index: int) -> Sequence[Row]:
+    """The run's QUEUED jobs of reports older than ``report_index`` (report()'s own:
+    a named evaluation's jobs over history are no live run's to coalesce)."""
+    checkpoints = Checkpoint.__table__
+    return conn.execute(
+        select(*LEASE_COLUMNS)
+        .join(checkpoints, checkpoints.c.id == _jobs.c.checkpoint_id)
+        .where(
+            _jobs.c.run_id == run_id,
+            _jobs.c.status == JobStatus.QUEUED.value,
+            _jobs.c.validator == DEFAULT_VALIDATOR,
+            checkpoints.c.report_index < report_index,
+        )
+        .order_by(_jobs.c.id)
+    ).all()
+
+
+def background_slots(limit: int, running: int) -> int:
     """How many of a pool's slots may hold jobs when background jobs (revalidations over
     history) are started: they leave one slot of a pool of two or more free for a live
     run's next validation."""
     return max(0, limit - running - (1 if limit > 1 else 0))
 
 
-def _lock_due_job_ids(
+def lock_due_job_ids(
     conn: Connection, pool: str, now: dt.datetime, limit: int, background_limit: int
 ) -> list[int]:
     """The ids of up to ``limit`` due jobs of the pool, live runs' jobs first; background
@@ -269,30 +234,6 @@ def _lock_due_job_ids(
     return ids
 
 
-# Called on every scheduler tick, so it must not read the whole queue: a loose index scan
-# visits one index entry per pool (a recursive MIN(pool) > previous), then looks for a due
-# job within each of those pools. Raw SQL: the recursive scan has no portable ORM form.
-_DUE_POOLS = text(
-    """
-    WITH RECURSIVE queued(pool) AS (
-        SELECT (
-            SELECT pool FROM validation_jobs WHERE status = :queued ORDER BY pool LIMIT 1
-        )
-        UNION ALL
-        SELECT (
-            SELECT pool FROM validation_jobs
-            WHERE status = :queued AND pool > queued.pool ORDER BY pool LIMIT 1
-        )
-        FROM queued WHERE queued.pool IS NOT NULL
-    )
-    SELECT pool, (
-        SELECT 1 FROM validation_jobs AS job
-        WHERE job.status = :queued AND job.pool = queued.pool AND job.not_before <= :now
-        LIMIT 1
-    ) AS due
-    FROM queued WHERE pool IS NOT NULL
-    """
-).bindparams(bindparam("now", type_=_jobs.c.not_before.type))
 _RUNNING_PER_POOL = (
     select(_jobs.c.pool, func.count(_jobs.c.id))
     .where(_jobs.c.status == JobStatus.RUNNING.value)
@@ -303,17 +244,14 @@ _RUNNING_IN_POOL = select(func.count(_jobs.c.id)).where(
 )
 
 
-def _lock_pool(conn: Connection, pool: str) -> None:
+def lock_pool(conn: Connection, pool: str) -> None:
     """On PostgreSQL, holds the pool's claim lock to the end of the transaction, so that
     replicas count the pool's running jobs one after another (a count read under another
     replica's uncommitted claim would let both fill the same free slots). Pools are
     visited in name order, so two replicas never wait on each other in a cycle. SQLite
     needs none: its write transaction holds the database."""
     if conn.dialect.name == "postgresql":
-        conn.execute(_POOL_LOCK, {"b_key": f"ckval-pool:{pool}"})
-
-
-_POOL_LOCK = text("SELECT pg_advisory_xact_lock(hashtextextended(:b_key, 0))")
+        conn.execute(raw_sql.POOL_LOCK, {"b_key": f"ckval-pool:{pool}"})
 
 
 def claimed_job(row, expires: dt.datetime) -> ClaimedJob:

@@ -1,18 +1,18 @@
 """Registry: the users' query API (runs, checkpoints, best, latest, aliases, tags,
-search, wait, retention, stop policies) and the operators' job commands, over one
-database layer.
+search, wait, retention, stop policies) and the operators' job commands.
 
-The other audiences have their own objects on the same database: the reporter's writes
-(``ledger``, ledger.py), the scheduler's queue operations (``job_queue``, jobs.py),
-aliases and retention after a validation (``housekeeping``, housekeeping.py) and the
-dashboard's reads (``dashboard``, dashboard_reads.py).
+Each call opens the one transaction it takes, here, and runs the statements of the
+catalog, the queue, aliases.py and the others in it. The parts other audiences use are
+built by composition.py: the reporter's ``ledger`` and ``assemblies``, the scheduler's
+``job_queue``, the dashboard's ``dashboard``; a Registry holds them too, for tools and
+tests.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from validation_service import validation
@@ -21,38 +21,35 @@ from validation_service.errors import (
     InvalidInput,
     UnknownMetric,
 )
-from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus, RunStatus
+from validation_service.jobs import DEFAULT_VALIDATOR, RunStatus
 from validation_service.metrics import lower_is_better
-from validation_service.names import check_name
-from validation_service.progress import ProgressRenderer
 from validation_service.registry import aliases as alias_store
-from validation_service.registry import evaluations, retention, search, transitions, waiting
-from validation_service.registry.assemblies import Assemblies, AssemblyRecord
-from validation_service.registry.catalog import Catalog, Mode, check_run_name
-from validation_service.registry.dashboard_reads import DashboardReader
+from validation_service.registry import (
+    assemblies,
+    composition,
+    evaluations,
+    queue,
+    retention,
+    search,
+    stopping,
+)
+from validation_service.registry.assemblies import AssemblyRecord
+from validation_service.registry.catalog import Mode, check_run_name
 from validation_service.registry.database import Database, retry_on_disconnect
-from validation_service.registry.housekeeping import Housekeeping
-from validation_service.registry.jobs import JobQueue
-from validation_service.registry.ledger import Ledger
-from validation_service.registry.queue import Queue
+from validation_service.registry.housekeeping import move_tracked_aliases
 from validation_service.registry.records import (
     CheckpointRecord,
-    JobRecord,
     RunRecord,
     RunSummary,
     StopDecision,
 )
-from validation_service.registry.replicas import ReplicaBook
-from validation_service.registry.stopping import StopRules
-from validation_service.retry import RetryPolicy
+from validation_service.registry.registry_jobs import RegistryJobs
 from validation_service.stopping import StopPolicy
 
 logger = logging.getLogger(__name__)
 
-RETRYABLE_STATUSES = (JobStatus.FAILED, JobStatus.TIMED_OUT, JobStatus.CANCELLED)
 
-
-class Registry:
+class Registry(RegistryJobs):
     """Durable checkpoint registry and validation queue over SQLite or PostgreSQL.
 
     ``Registry()`` opens the configured default (``CKVAL_DATABASE_URL``, else the
@@ -69,28 +66,37 @@ class Registry:
         upgrade: bool | None = None,
         check_schema: bool = True,
     ):
-        self.settings = settings or get_settings()
-        self.url = database_url or self.settings.resolved_database_url()
-        self.namespace = check_name("namespace", namespace or self.settings.namespace)
-        self.db = Database(self.url, source=_url_source(database_url, self.settings))
-        self.engine = self.db.engine
-        self.catalog = Catalog(self.db, self.namespace)
-        self.queue = Queue(self.db)
-        self.ledger = Ledger(self.db, self.catalog, self.queue)
-        self.stopping = StopRules(self.db, self.catalog)
-        self.housekeeping = Housekeeping(self.db, self.catalog, self.settings, self.stopping)
-        self.job_queue = JobQueue(
-            self.db,
-            self.catalog,
-            self.queue,
-            self.housekeeping,
-            RetryPolicy.from_settings(self.settings),
+        settings = settings or get_settings()
+        namespace = composition.namespace_of(namespace, settings)
+        db = composition.open_database(
+            settings, database_url, upgrade=upgrade, check_schema=check_schema
         )
-        self.assemblies = Assemblies(self.db, self.catalog)
-        self.dashboard = DashboardReader(self.db, self.catalog)
-        self.replicas = ReplicaBook(self.db)
-        if check_schema:
-            self.db.check_schema(self.db.is_sqlite() if upgrade is None else upgrade)
+        self._take(db, settings, namespace)
+
+    @classmethod
+    def on_database(
+        cls, db: Database, settings: Settings, *, namespace: str | None = None
+    ) -> Registry:
+        """A Registry over a Database opened already (composition.open_database)."""
+        registry = cls.__new__(cls)
+        registry._take(db, settings, composition.namespace_of(namespace, settings))
+        return registry
+
+    def _take(self, db: Database, settings: Settings, namespace: str) -> None:
+        self.settings = settings
+        self.namespace = namespace
+        self.db = db
+        self.url = db.url
+        self.engine = db.engine
+        parts = composition.registry_parts(db, namespace, settings)
+        self.catalog = parts.catalog
+        self.ledger = parts.ledger
+        self.stopping = parts.stopping
+        self.housekeeping = parts.housekeeping
+        self.job_queue = parts.job_queue
+        self.assemblies = parts.assemblies
+        self.dashboard = parts.dashboard
+        self.replicas = parts.replicas
 
     # ----------------------------------------------------------------- schema
     def upgrade(self, revision: str = "head") -> None:
@@ -117,7 +123,8 @@ class Registry:
     @retry_on_disconnect
     def find_run_id(self, name: str) -> int | None:
         """The id of the named run's latest attempt in this namespace, or None; writes nothing."""
-        return self.catalog.find_run_id(name)
+        with self.db.read() as session:
+            return self.catalog.run_id(session, name)
 
     @retry_on_disconnect
     def run_attempts(self, name: str) -> list[RunRecord]:
@@ -139,8 +146,8 @@ class Registry:
         with self.db.read() as session:
             runs = _with_status(self.catalog.runs(session), status)
             checkpoints = self.catalog.checkpoint_counts(session)
-            jobs = self.queue.job_counts_by_run(session, self.namespace)
-            stops = self.stopping.latest_decisions(session)
+            jobs = queue.job_counts_by_run(session, self.namespace)
+            stops = stopping.latest_decisions(session, self.namespace)
         return [
             RunSummary(run, checkpoints.get(run.id, 0), jobs.get(run.id, {}), stops.get(run.id))
             for run in runs
@@ -162,10 +169,11 @@ class Registry:
         ``tags``: only those with every key = value; ``attempt``: of that attempt of
         the run (default: its latest).
         """
-        records = self.catalog.checkpoints(
-            run, include_deleted=include_deleted, tags=tags, attempt=attempt
-        )
         with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run, attempt)
+            records = self.catalog.checkpoints(
+                session, run_id, run, include_deleted=include_deleted, tags=tags
+            )
             records = alias_store.with_aliases_and_tags(session, records)
             return evaluations.by_validator(session, records)
 
@@ -173,7 +181,9 @@ class Registry:
     def latest_checkpoint(self, run: str, *, attempt: int | None = None):
         """The newest checkpoint of the run's latest attempt (or of ``attempt``) as a
         ray.train.Checkpoint (resume after a crash); deleted checkpoints are skipped."""
-        record = self.catalog.latest(run, attempt)
+        with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run, attempt)
+            record = self.catalog.latest(session, run_id, run)
         return None if record is None else self._ray_checkpoint(record)
 
     def best_checkpoints(
@@ -198,7 +208,7 @@ class Registry:
         values (see revalidate); the metrics returned are then that evaluation's.
         """
         validation.check_k(k)
-        records = self._best(run, metric, mode or "max", k, tags, attempt, validator)
+        records = self._best_records(run, metric, mode or "max", k, tags, attempt, validator)
         if mode is None and records and lower_is_better(metric):
             warnings.warn(
                 f"best_checkpoints ranked {metric!r} with mode='max' (the default), but its "
@@ -225,25 +235,34 @@ class Registry:
     ) -> list[CheckpointRecord]:
         """As best_checkpoints, as records with their aliases and tags."""
         validation.check_k(k)
-        records = self._best(run, metric, mode, k, tags, attempt, validator)
         with self.db.read() as session:
+            records = self._best(session, run, metric, mode, k, tags, attempt, validator)
             return alias_store.with_aliases_and_tags(session, records)
 
     @retry_on_disconnect
-    def _best(self, run, metric, mode, k, tags, attempt, validator) -> list[CheckpointRecord]:
-        if validator != DEFAULT_VALIDATOR:
-            return evaluations.best_records(self, run, metric, mode, k, tags, attempt, validator)
+    def _best_records(self, run, metric, mode, k, tags, attempt, validator):
+        """best_checkpoints' records, in one read (its warning is raised outside the
+        disconnect retry, so that it points at the caller)."""
         with self.db.read() as session:
-            run_id = None if run is None else self.catalog.require_run_id(session, run, attempt)
-            records = self.catalog.best(session, run_id, metric, mode, k, tags)
-            if records:
-                return records
-            known = self.catalog.known_metrics(session, run_id)
-            # Recorded only as NaN/inf or non-numeric values, or perhaps still to come with
-            # a pending validation: no error, no checkpoints.
-            if metric in known or self.queue.active_count(session, run_id):
-                return []
-            raise UnknownMetric(metric, run, sorted(known))
+            return self._best(session, run, metric, mode, k, tags, attempt, validator)
+
+    def _best(
+        self, session, run, metric, mode, k, tags, attempt, validator
+    ) -> list[CheckpointRecord]:
+        if validator != DEFAULT_VALIDATOR:
+            return evaluations.best_records(
+                session, self.catalog, run, metric, mode, k, tags, attempt, validator
+            )
+        run_id = None if run is None else self.catalog.require_run_id(session, run, attempt)
+        records = self.catalog.best(session, run_id, metric, mode, k, tags)
+        if records:
+            return records
+        known = self.catalog.known_metrics(session, run_id)
+        # Recorded only as NaN/inf or non-numeric values, or perhaps still to come with a
+        # pending validation: no error, no checkpoints.
+        if metric in known or queue.active_count(session, run_id):
+            return []
+        raise UnknownMetric(metric, run, sorted(known))
 
     # ---------------------------------------------------------- aliases, tags
     @retry_on_disconnect
@@ -254,9 +273,8 @@ class Registry:
         one alias on one of the checkpoints asked for. A deleted checkpoint is refused.
         """
         alias_store.check_alias(alias)
-        with self.db.read() as session:
-            run_id = self.catalog.require_run_id(session, run)
         with self.db.write() as conn:
+            run_id = self.catalog.require_run_id(conn, run)
             checkpoint_id = alias_store.live_checkpoint_id(conn, run_id, run, report_index)
             alias_store.set_alias(conn, run_id, alias, checkpoint_id)
 
@@ -267,13 +285,13 @@ class Registry:
 
     @retry_on_disconnect
     def get_alias_record(self, run: str, alias: str) -> CheckpointRecord:
+        """The checkpoint the run's alias points at (deleted or not), with its aliases and
+        tags; AliasNotFound naming the run's aliases otherwise."""
         with self.db.read() as session:
             run_id = self.catalog.require_run_id(session, run)
-            checkpoint_id = alias_store.aliased_checkpoint_id(session, run_id, run, alias)
-        record = next(
-            r for r in self.catalog.checkpoints(run, include_deleted=True) if r.id == checkpoint_id
-        )
-        with self.db.read() as session:
+            record = self.catalog.aliased(session, run_id, run, alias)
+            if record is None:
+                raise alias_store.alias_not_found(session, run_id, run, alias)
             return alias_store.with_aliases_and_tags(session, [record])[0]
 
     @retry_on_disconnect
@@ -287,9 +305,8 @@ class Registry:
     def remove_alias(self, run: str, alias: str) -> bool:
         """Removes the alias (and its tracking rule); False if the run had no such alias."""
         alias_store.check_alias(alias)
-        with self.db.read() as session:
-            run_id = self.catalog.require_run_id(session, run)
         with self.db.write() as conn:
+            run_id = self.catalog.require_run_id(conn, run)
             return alias_store.remove_alias(conn, run_id, alias)
 
     @retry_on_disconnect
@@ -302,19 +319,17 @@ class Registry:
             raise InvalidInput(f"mode must be 'max' or 'min', got {mode!r}")
         if not isinstance(metric, str) or not metric:
             raise InvalidInput(f"metric must be a metric name, got {metric!r}")
-        with self.db.read() as session:
-            run_id = self.catalog.require_run_id(session, run)
         with self.db.write() as conn:
+            run_id = self.catalog.require_run_id(conn, run)
             alias_store.track_alias(conn, run_id, alias, metric, mode)
-        return self.housekeeping.refresh_tracked_aliases(run_id).get(alias)
+            return move_tracked_aliases(conn, self.catalog, run_id).get(alias)
 
     @retry_on_disconnect
     def tag(self, run: str, report_index: int, key: str, value: str | None) -> None:
         """Sets a string tag on one checkpoint of the run (``value`` None removes it)."""
         alias_store.check_tag(key, value)
-        with self.db.read() as session:
-            run_id = self.catalog.require_run_id(session, run)
         with self.db.write() as conn:
+            run_id = self.catalog.require_run_id(conn, run)
             checkpoint_id = alias_store.live_checkpoint_id(conn, run_id, run, report_index)
             alias_store.set_tag(conn, checkpoint_id, key, value)
 
@@ -357,7 +372,11 @@ class Registry:
         """The run's reports whose checkpoint, written by several ranks, is not complete:
         still being stored, or INCOMPLETE (a rank died before its part was stored).
         None of them is listed, ranked or validated; retention removes their files."""
-        return self.assemblies.not_complete([r.id for r in self.run_attempts(run)])
+        with self.db.read() as session:
+            run_ids = [r.id for r in self.catalog.runs(session) if r.name == run]
+            if not run_ids:
+                self.catalog.require_run_id(session, run)  # RunNotFound, naming the runs
+            return assemblies.not_complete(session, run_ids)
 
     def retention_plan(
         self,
@@ -397,20 +416,37 @@ class Registry:
         """Stores the run's StopPolicy, judged after each validated result is merged (None
         removes it). Stored by run name: it may be set before the run's first report and
         applies to every attempt of the name; results it has already are judged now."""
-        return self.stopping.set_policy(run, policy)
+        stopping.check_policy(run, policy)
+        with self.db.write() as conn:
+            stopping.store_policy(conn, self.namespace, run, policy)
+            run_id = None if policy is None else self.catalog.run_id(conn, run)
+        if run_id is not None:  # judged after the policy is stored: a step of its own
+            self.stopping.evaluate(run_id)
+        return policy
 
+    @retry_on_disconnect
     def stop_policy(self, run: str) -> StopPolicy | None:
-        return self.stopping.policy(run)  # the run name's stored policy, or None
+        """The run name's stored policy, or None."""
+        check_run_name(run)
+        with self.db.read() as session:
+            return stopping.stored_policy(session, self.namespace, run)
 
+    @retry_on_disconnect
     def stop_decision(self, run: str) -> StopDecision | None:
         """Why the run's latest attempt should stop (``overridden_at`` set once resumed),
         or None while no rule decided or before its first report."""
-        return self.stopping.decision(run)
+        with self.db.read() as session:
+            run_id = self.catalog.run_id(session, run)
+            return None if run_id is None else stopping.latest_decision(session, run_id)
 
+    @retry_on_disconnect
     def resume_despite_stop(self, run: str) -> StopDecision:
         """Overrides the run's stop decision, recording when; the rules judge again, from
         the checkpoints reported after now. InvalidInput when the run is not stopped."""
-        return self.stopping.resume(run)
+        with self.db.write() as conn:
+            decision = stopping.override(conn, run, self.catalog.require_run_id(conn, run))
+        logger.info("run %r goes on despite its stop decision (%s)", run, decision.reason)
+        return decision
 
     # ----------------------------------------------------------------- search
     @retry_on_disconnect
@@ -474,113 +510,6 @@ class Registry:
         from validation_service.storage import ray_checkpoint
 
         return ray_checkpoint(record.uri, self.settings.storage_options)
-
-    # ------------------------------------------------------------------- jobs
-    @retry_on_disconnect
-    def validations(self, run: str) -> list[JobRecord]:
-        with self.db.read() as session:
-            run_id = self.catalog.require_run_id(session, run)
-            return self.queue.validations(session, run_id, run)
-
-    @retry_on_disconnect
-    def list_jobs(
-        self,
-        run: str | None = None,
-        *,
-        statuses: Iterable[JobStatus | str] | None = None,
-        pool: str | None = None,
-        limit: int | None = None,
-    ) -> list[JobRecord]:
-        """Validation jobs of the whole queue (of this namespace), or of one run.
-
-        ``statuses`` and ``pool`` filter; ``limit`` keeps the newest jobs. In id order.
-        """
-        wanted = None if statuses is None else [validation.job_status(s).value for s in statuses]
-        if limit is not None and limit < 1:
-            raise InvalidInput(f"limit must be at least 1, got {limit}")
-        with self.db.read() as session:
-            run_id = None if run is None else self.catalog.require_run_id(session, run)
-            return self.queue.list_jobs(
-                session, self.namespace, run_id=run_id, statuses=wanted, pool=pool, limit=limit
-            )
-
-    @retry_on_disconnect
-    def get_job(self, job_id: int, *, namespace: str | None = None) -> JobRecord:
-        """The job with this id; with ``namespace``, a job of another namespace is
-        JobNotFound too (the HTTP API passes its own)."""
-        return self.queue.get_job(validation.check_job_id(job_id), namespace)
-
-    @retry_on_disconnect
-    def job_counts(self, run: str | None = None) -> dict[str, int]:
-        with self.db.read() as session:
-            run_id = None if run is None else self.catalog.require_run_id(session, run)
-            return self.queue.job_counts(session, run_id)
-
-    def wait(
-        self,
-        run: str,
-        timeout_s: float = 300.0,
-        poll_s: float = 0.05,
-        *,
-        progress: bool | ProgressRenderer = False,
-        raise_on_failure: bool = False,
-    ) -> None:
-        """Returns when no job of the run is QUEUED or RUNNING; raises TimeoutError otherwise.
-
-        ``progress=True`` shows a live line of the run's counts on standard error (or pass
-        a ProgressRenderer). Validations that ended FAILED or TIMED_OUT are named in a
-        ValidationsFailedWarning, or raised as ValidationsFailed with ``raise_on_failure``.
-        """
-        waiting.wait_for_run(self, run, timeout_s, poll_s, progress, raise_on_failure)
-
-    def cancel_jobs(
-        self, job_ids: Sequence[int] | None = None, *, run: str | None = None, reason: str = ""
-    ) -> list[int]:
-        """Cancels QUEUED and RUNNING jobs; a RUNNING one loses its lease at once."""
-        if job_ids is None and run is None:
-            raise InvalidInput("cancel needs job ids or a run name")
-        run_id = self._run_id_or_none(run)
-        return self.job_queue.cancel(validation.existing_job_ids(job_ids), run_id, reason)
-
-    def retry_jobs(
-        self,
-        job_ids: Sequence[int] | None = None,
-        *,
-        run: str | None = None,
-        statuses: Iterable[JobStatus] = RETRYABLE_STATUSES,
-        max_retries: int | None = None,
-    ) -> list[int]:
-        """Requeues FAILED, TIMED_OUT and CANCELLED jobs (or only ``statuses`` of those)
-        with a fresh attempt budget.
-
-        With ``max_retries``, a job makes at most max_attempts x (1 + max_retries) attempts
-        in all: one that made them is not retried, and the last budget is cut to what is
-        left. A named job id that made them raises RetryLimitReached and nothing is
-        retried; a run's such jobs are left as they are (RetryLimitReached when that is
-        all of them).
-        """
-        if job_ids is None and run is None:
-            raise InvalidInput("retry needs job ids or a run name")
-        statuses = [JobStatus(s) for s in statuses]
-        if not set(statuses) <= transitions.FROM_STATES["retry"]:
-            raise InvalidInput(f"only {[s.value for s in RETRYABLE_STATUSES]} jobs are retried")
-        run_id = self._run_id_or_none(run)
-        return self.job_queue.retry(
-            validation.existing_job_ids(job_ids), run_id, statuses, max_retries
-        )
-
-    def _run_id_or_none(self, run: str | None) -> int | None:
-        if run is None:
-            return None
-        with self.db.read() as session:
-            return self.catalog.require_run_id(session, run)
-
-
-def _url_source(database_url: str | None, settings: Settings) -> str:
-    """Where a registry's URL came from, for the errors that say what to fix."""
-    if database_url:
-        return "the database_url argument"
-    return "CKVAL_DATABASE_URL" if settings.database_url else "CKVAL_HOME"
 
 
 def _with_status(runs: list[RunRecord], status: RunStatus | str | None) -> list[RunRecord]:

@@ -2,7 +2,9 @@
 after a validation's result is merged (the rules themselves are in
 validation_service/stopping.py, without a database), and a user's override.
 
-``Registry.stopping``; ``Housekeeping.after_validation`` calls ``evaluate``.
+``StopRules.evaluate`` judges (``Housekeeping.after_validation`` calls it); the users'
+calls (Registry.set_stop_policy, stop_policy, stop_decision, resume_despite_stop) run
+the statements below in their own transaction.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from sqlalchemy.orm import Session
 from validation_service.errors import InvalidInput
 from validation_service.jobs import MetricSource
 from validation_service.registry.aliases import upsert
-from validation_service.registry.catalog import Catalog, check_run_name
+from validation_service.registry.catalog import check_run_name
 from validation_service.registry.database import Database, retry_on_disconnect
 from validation_service.registry.models import (
     Checkpoint,
@@ -47,93 +49,13 @@ _POLICY_COLUMNS = (
 
 
 class StopRules:
-    """Stop policies and decisions of the runs of any namespace of the database; the
-    users' calls name runs of ``catalog``'s namespace."""
+    """Judges a run attempt by its name's stop policy after a validation ended
+    (``Housekeeping.judge_stop_policy``), for the runs of any namespace of the database.
+    The users' side (storing a policy, reading a decision, the override) is the
+    Registry's, over the statements below."""
 
-    def __init__(self, db: Database, catalog: Catalog):
+    def __init__(self, db: Database):
         self.db = db
-        self.catalog = catalog
-
-    @retry_on_disconnect
-    def set_policy(self, run: str, policy: StopPolicy | None) -> StopPolicy | None:
-        """Stores (None: removes) the run name's policy; a run that has validated results
-        already is judged on them at once."""
-        check_run_name(run)
-        if policy is not None and not isinstance(policy, StopPolicy):
-            raise InvalidInput(
-                f"set_stop_policy needs a validation_service.StopPolicy (or None to remove "
-                f"the run's policy), got {type(policy).__name__}"
-            )
-        namespace = self.catalog.namespace
-        with self.db.write() as conn:
-            if policy is None:
-                conn.execute(
-                    delete(StopPolicyRow).where(
-                        StopPolicyRow.namespace == namespace, StopPolicyRow.run_name == run
-                    )
-                )
-                return None
-            row: dict[str, Any] = {name: getattr(policy, name) for name in _POLICY_COLUMNS}
-            row.update(namespace=namespace, run_name=run, updated_at=utcnow())
-            upsert(conn, StopPolicyRow.__table__, row, ["namespace", "run_name"])
-        run_id = self.catalog.find_run_id(run)
-        if run_id is not None:
-            self.evaluate(run_id)
-        return policy
-
-    @retry_on_disconnect
-    def policy(self, run: str) -> StopPolicy | None:
-        """The run name's stored policy, or None."""
-        check_run_name(run)
-        with self.db.read() as session:
-            row = session.scalar(
-                select(StopPolicyRow).where(
-                    StopPolicyRow.namespace == self.catalog.namespace,
-                    StopPolicyRow.run_name == run,
-                )
-            )
-        return None if row is None else _policy(row)
-
-    @retry_on_disconnect
-    def decision(self, run: str) -> StopDecision | None:
-        """The latest decision of the run's latest attempt, overridden or not; None when
-        no rule decided, or the run has not reported yet."""
-        run_id = self.catalog.find_run_id(run)
-        if run_id is None:
-            return None
-        with self.db.read() as session:
-            return _latest_decision(session, run_id)
-
-    @retry_on_disconnect
-    def resume(self, run: str) -> StopDecision:
-        """Overrides the standing decision of the run's latest attempt; InvalidInput when
-        it has none."""
-        with self.db.read() as session:
-            run_id = self.catalog.require_run_id(session, run)
-        with self.db.write() as conn:
-            latest = conn.execute(_decisions_query().where(Run.id == run_id)).all()
-            if not latest or latest[-1].overridden_at is not None:
-                raise InvalidInput(
-                    f"run {run!r} is not stopped: no stop decision to override "
-                    f"(`ckval run {run}` shows its decision)"
-                )
-            resumed_after = _last_report_index(conn, run_id)
-            changed = conn.execute(
-                update(StopDecisionRow)
-                .where(StopDecisionRow.id == latest[-1].id, StopDecisionRow.overridden_at.is_(None))
-                .values(overridden_at=utcnow(), resumed_after_index=resumed_after)
-            )
-            if changed.rowcount != 1:  # another override came first
-                raise InvalidInput(f"run {run!r} is not stopped: it was resumed meanwhile")
-            decision = _latest_decision(conn, run_id)
-        assert decision is not None
-        logger.info("run %r goes on despite its stop decision (%s)", run, decision.reason)
-        return decision
-
-    def latest_decisions(self, session: Session) -> dict[int, StopDecision]:
-        """Run id -> its latest decision, for every run of the namespace that has one."""
-        rows = session.execute(decisions_query(self.catalog.namespace)).all()
-        return {row.run_id: _decision(row) for row in rows}
 
     @retry_on_disconnect
     def evaluate(self, run_id: int) -> StopDecision | None:
@@ -166,7 +88,68 @@ class StopRules:
             )
         logger.info("run %r should stop: %s", run.name, verdict.reason)
         with self.db.read() as session:
-            return _latest_decision(session, run_id)
+            return latest_decision(session, run_id)
+
+
+def check_policy(run: str, policy: StopPolicy | None) -> None:
+    check_run_name(run)
+    if policy is not None and not isinstance(policy, StopPolicy):
+        raise InvalidInput(
+            f"set_stop_policy needs a validation_service.StopPolicy (or None to remove "
+            f"the run's policy), got {type(policy).__name__}"
+        )
+
+
+def store_policy(conn: Connection, namespace: str, run: str, policy: StopPolicy | None) -> None:
+    """Stores (None: removes) the run name's policy."""
+    if policy is None:
+        conn.execute(
+            delete(StopPolicyRow).where(
+                StopPolicyRow.namespace == namespace, StopPolicyRow.run_name == run
+            )
+        )
+        return
+    row: dict[str, Any] = {name: getattr(policy, name) for name in _POLICY_COLUMNS}
+    row.update(namespace=namespace, run_name=run, updated_at=utcnow())
+    upsert(conn, StopPolicyRow.__table__, row, ["namespace", "run_name"])
+
+
+def stored_policy(session: Session, namespace: str, run: str) -> StopPolicy | None:
+    """The run name's stored policy, or None."""
+    row = session.scalar(
+        select(StopPolicyRow).where(
+            StopPolicyRow.namespace == namespace, StopPolicyRow.run_name == run
+        )
+    )
+    return None if row is None else _policy(row)
+
+
+def latest_decisions(session: Session, namespace: str) -> dict[int, StopDecision]:
+    """Run id -> its latest decision, for every run of the namespace that has one."""
+    rows = session.execute(decisions_query(namespace)).all()
+    return {row.run_id: _decision(row) for row in rows}
+
+
+def override(conn: Connection, run: str, run_id: int) -> StopDecision:
+    """Overrides the standing decision of the run attempt (the judging starts again after
+    its last report); InvalidInput when it has none."""
+    latest = conn.execute(_decisions_query().where(Run.id == run_id)).all()
+    if not latest or latest[-1].overridden_at is not None:
+        raise InvalidInput(
+            f"run {run!r} is not stopped: no stop decision to override "
+            f"(`ckval run {run}` shows its decision)"
+        )
+    resumed_after = _last_report_index(conn, run_id)
+    changed = conn.execute(
+        update(StopDecisionRow)
+        .where(StopDecisionRow.id == latest[-1].id, StopDecisionRow.overridden_at.is_(None))
+        .values(overridden_at=utcnow(), resumed_after_index=resumed_after)
+    )
+    if changed.rowcount != 1:  # another override came first
+        raise InvalidInput(f"run {run!r} is not stopped: it was resumed meanwhile")
+    decision = latest_decision(conn, run_id)
+    assert decision is not None
+    return decision
 
 
 def decisions_query(namespace: str):
@@ -187,7 +170,7 @@ def _decisions_query():
     )
 
 
-def _latest_decision(session: Session | Connection, run_id: int) -> StopDecision | None:
+def latest_decision(session: Session | Connection, run_id: int) -> StopDecision | None:
     """The last round's decision of the run attempt, or None."""
     rows = session.execute(_decisions_query().where(Run.id == run_id)).all()
     return _decision(rows[-1]) if rows else None

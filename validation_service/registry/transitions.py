@@ -1,7 +1,8 @@
 """Named transitions of a validation job: the only code that writes a job's status, lease
 and attempt rows, and the validation status its checkpoint mirrors.
 
-    enqueue                                  -> QUEUED
+    enqueue                                  -> QUEUED    (the row; registration.py
+                                                              writes it with its checkpoint)
     claim          QUEUED                    -> RUNNING   (new lease token, attempt opened)
     extend_leases  RUNNING                   -> RUNNING   (the lease holder only)
     finish         RUNNING                   -> SUCCEEDED | FAILED | TIMED_OUT | QUEUED
@@ -110,21 +111,6 @@ def registered_status(request: ValidationRequest | None) -> str:
     if request is None:
         return ValidationStatus.NONE.value
     return JOB_TO_VALIDATION_STATUS[JobStatus.QUEUED].value
-
-
-def enqueue(
-    conn: Connection,
-    request: ValidationRequest,
-    checkpoint_id: int,
-    run_id: int,
-    report_index: int,
-    now: dt.datetime,
-) -> int:
-    """Adds the checkpoint's job (the caller set the checkpoint PENDING); returns its id."""
-    row = enqueue_row(request, checkpoint_id, run_id, report_index, now)
-    job_id = conn.execute(_INSERT_JOB, row).scalar_one()
-    wake_replicas(conn)
-    return job_id
 
 
 # -------------------------------------------------------------------- claim
@@ -398,7 +384,6 @@ def _mirror(conn: Connection, jobs: Sequence[Row], status: JobStatus) -> None:
 
 # Statements built once, values bound per call (parameters prefixed "b_" bind the WHERE
 # clauses; the others are the columns set): SQLAlchemy then reuses the compiled form.
-_INSERT_JOB = insert(_jobs).returning(_jobs.c.id)
 _RUNNING_JOB_TO_FINISH = (
     select(
         _jobs.c.id,

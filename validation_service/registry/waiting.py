@@ -15,6 +15,7 @@ from validation_service.errors import (
 )
 from validation_service.jobs import ACTIVE_JOB_STATUSES, JobStatus
 from validation_service.progress import ProgressRenderer
+from validation_service.registry import queue
 from validation_service.registry.limits import IDS_PER_IN_LIST
 from validation_service.registry.models import ValidationJob
 from validation_service.registry.records import JobRecord
@@ -30,7 +31,7 @@ def wait_for_run(registry, run: str, timeout_s, poll_s, progress, raise_on_failu
 
     def counts() -> dict[str, int]:
         with registry.db.read() as session:
-            return registry.queue.job_counts(session, run_id)
+            return queue.job_counts(session, run_id)
 
     found = _poll(counts, run, f"validation(s) of run {run!r}", timeout_s, poll_s, progress)
     if any(found.get(s.value, 0) for s in FAILED_STATUSES):

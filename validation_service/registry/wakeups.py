@@ -75,9 +75,11 @@ class QueueListener:
     def _listen(self) -> None:
         import psycopg
 
+        from validation_service.registry import raw_sql
+
         args, kwargs = self.engine.dialect.create_connect_args(self.engine.url)
         with psycopg.connect(*args, **kwargs, autocommit=True) as conn:
-            conn.execute(f"LISTEN {CHANNEL}")
+            conn.execute(raw_sql.LISTEN_FOR_JOBS)
             self.connected.set()
             # Notifications sent before LISTEN took effect: read the queue once.
             self.on_wake()

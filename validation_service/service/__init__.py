@@ -39,17 +39,18 @@ class _ServiceActor:
     """
 
     def __init__(self, settings_json: str, replica: int = 0):
-        from validation_service.registry.registry import Registry
+        from validation_service.registry.composition import open_service_parts
         from validation_service.service.scheduler import Scheduler
 
         configure_logging()
         self.settings = Settings.model_validate_json(settings_json)
         self.replica = replica
         self.name = replica_name(self.settings.service_name, replica)
-        # Only an embedded SQLite is migrated here; a server database is migrated as a
-        # deploy step (`ckval db upgrade`), so a service never races a migration.
-        self.registry = Registry(settings=self.settings)
-        self.scheduler = Scheduler(self.registry, self.settings, name=self.name)
+        # The registry's job queue and replicas' rows (composition.ServiceParts). Only an
+        # embedded SQLite is migrated here; a server database is migrated as a deploy
+        # step (`ckval db upgrade`), so a service never races a migration.
+        self.parts = open_service_parts(self.settings)
+        self.scheduler = Scheduler(self.parts, self.settings, name=self.name)
         self.started_at = time.time()
         self._thread = threading.Thread(
             target=self.scheduler.run_forever, name="ckval-scheduler", daemon=True
@@ -64,7 +65,7 @@ class _ServiceActor:
     def _forget_replicas_past(self, count: int) -> None:
         """The registry forgets replicas an earlier, larger service ran."""
         try:
-            self.registry.replicas.forget(self.settings.service_name, keep=count)
+            self.parts.replicas.forget(self.settings.service_name, keep=count)
         except Exception:  # noqa: BLE001 - status only
             logger.warning("forgetting earlier replicas failed", exc_info=True)
 
@@ -110,12 +111,12 @@ class _ServiceActor:
         }
 
     def status(self) -> dict[str, Any]:
-        replicas = self.supervisor.replicas(self.registry) if self.supervisor else []
+        replicas = self.supervisor.replicas(self.parts.replicas) if self.supervisor else []
         return {
             "replicas_set": len(replicas) or 1,
             "replicas": replicas,
             "owner": self.scheduler.owner,
-            "database_url": self.registry.display_url,
+            "database_url": self.parts.display_url,
             "storage": mask_url(self.settings.resolved_storage()),
             "pools": self.settings.pools,
             "default_pool_size": self.settings.default_pool_size,
@@ -293,12 +294,12 @@ class ReplicaSupervisor:
                 logger.warning("service replica %s is gone; starting it", name)
                 self._actors[replica] = replica_actor(self.settings, self.settings_json, replica)
 
-    def replicas(self, registry) -> list[dict[str, Any]]:
-        """Every replica: its row in the registry (pid, node, leases, last heartbeat) and
-        whether its actor answers now."""
+    def replicas(self, book) -> list[dict[str, Any]]:
+        """Every replica: its row in the registry's ``book`` (a ReplicaBook: pid, node,
+        leases, last heartbeat) and whether its actor answers now."""
         names = [replica_name(self.settings.service_name, i) for i in range(self.count)]
         answers = {name: self._answer(name) for name in names}
-        rows = {row.name: row for row in registry.replicas.list(self.settings.service_name)}
+        rows = {row.name: row for row in book.list(self.settings.service_name)}
         return [_replica_entry(name, rows.get(name), answers[name]) for name in names]
 
     def _answer(self, name: str) -> dict[str, Any] | None:

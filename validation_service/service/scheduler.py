@@ -1,7 +1,8 @@
 """The scheduler loop: claim due jobs -> launch executors -> collect -> record outcomes.
 
 Leases are held with heartbeats, expired leases of lost schedulers are requeued, and
-attempts past their timeout are cancelled. All database work goes through Registry.
+attempts past their timeout are cancelled. All database work goes through the registry's
+JobQueue and ReplicaBook (composition.ServiceParts).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from validation_service.config import Settings
 from validation_service.errors import RegistryRejected
@@ -21,10 +23,13 @@ from validation_service.executors import AttemptHandle, Executor, default_execut
 from validation_service.jobs import ExecutorKind
 from validation_service.registry.models import utcnow
 from validation_service.registry.records import ClaimedJob, JobOutcome
-from validation_service.registry.registry import Registry
 from validation_service.registry.wakeups import QueueListener
 from validation_service.retry import RetryPolicy
 from validation_service.sinks import SinkDispatcher
+
+if TYPE_CHECKING:
+    from validation_service.registry.composition import ServiceParts
+    from validation_service.registry.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +42,15 @@ REPLICA_BEAT_MIN_S = 1.0
 
 
 class Scheduler:
-    """Runs validations of the registry's queue with the given executors (by job kind)."""
+    """Runs validations of the registry's queue with the given executors (by job kind).
+
+    ``parts``: the service's parts of the registry (composition.open_service_parts), or a
+    Registry, which holds the same (``job_queue``, ``replicas``, ``engine``).
+    """
 
     def __init__(
         self,
-        registry: Registry,
+        parts: ServiceParts | Registry,
         settings: Settings,
         *,
         owner: str | None = None,
@@ -49,8 +58,9 @@ class Scheduler:
         executors: dict[str, Executor] | None = None,
         retry_policy: RetryPolicy | None = None,
     ):
-        self.registry = registry
-        self.jobs = registry.job_queue
+        self.jobs = parts.job_queue
+        self.replicas = parts.replicas
+        self.engine = parts.engine
         self.settings = settings
         # The replica's name (the service's, for the first): its leases' owner prefix, so
         # a restarted replica releases its own predecessor's leases and no other's.
@@ -85,7 +95,7 @@ class Scheduler:
             "notified": 0,
         }
         # Logs SUCCEEDED jobs' metrics to the configured trackers (MLflow, W&B), off the loop.
-        self.sinks = SinkDispatcher.from_settings(settings, registry, self.stats)
+        self.sinks = SinkDispatcher.from_settings(settings, self.jobs, self.stats)
 
     # ------------------------------------------------------------- controls
     def wake(self) -> None:
@@ -163,8 +173,8 @@ class Scheduler:
             self.recover()
         except Exception:  # noqa: BLE001 - leases also expire on their own
             logger.exception("recovering earlier leases failed")
-        if QueueListener.applies_to(self.registry.engine):
-            self._listener = QueueListener(self.registry.engine, self._notified).start()
+        if QueueListener.applies_to(self.engine):
+            self._listener = QueueListener(self.engine, self._notified).start()
         try:
             self._loop()
         finally:
@@ -323,9 +333,9 @@ class Scheduler:
         self._last_replica_beat = now
         try:
             if stopped:
-                self.registry.replicas.stopped(self.name, self.owner)
+                self.replicas.stopped(self.name, self.owner)
                 return
-            self.registry.replicas.beat(
+            self.replicas.beat(
                 name=self.name,
                 service_name=self.settings.service_name,
                 owner=self.owner,

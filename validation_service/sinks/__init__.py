@@ -197,7 +197,7 @@ class SinkDispatcher:
     def __init__(
         self,
         configs: Sequence[dict[str, Any]],
-        registry,
+        jobs,
         stats: dict[str, int],
         *,
         attempts: int = 4,
@@ -205,7 +205,8 @@ class SinkDispatcher:
         release_after_s: float = 30.0,
     ):
         self.configs = [parse_sinks([c])[0] for c in configs]
-        self.registry = registry
+        # The registry's JobQueue: a job's record and its run's tags, its warnings stored.
+        self.jobs = jobs
         self.stats = stats
         self.attempts = max(1, attempts)
         self.backoff_s = backoff_s
@@ -226,7 +227,7 @@ class SinkDispatcher:
         self._last_delivery: float | None = None
 
     @classmethod
-    def from_settings(cls, settings, registry, stats: dict[str, int]) -> SinkDispatcher:
+    def from_settings(cls, settings, jobs, stats: dict[str, int]) -> SinkDispatcher:
         # The MLflow sink logs only to the tracking servers, and into recorded runs of the
         # experiments, that the service's settings allow.
         allowed = {
@@ -242,7 +243,7 @@ class SinkDispatcher:
                 else c
                 for c in settings.sinks
             ],
-            registry,
+            jobs,
             stats,
             attempts=settings.sink_attempts,
             backoff_s=settings.sink_backoff_s,
@@ -328,10 +329,9 @@ class SinkDispatcher:
         items = []
         for job in jobs:
             try:
-                record = self.registry.get_job(job.job_id)
+                record, tags = self.jobs.job_and_run_tags(job.job_id, job.run, job.namespace)
                 if record.status != "SUCCEEDED":
                     continue  # e.g. metrics that could not be stored failed the attempt
-                tags = self.registry.ledger.run_tags(job.run, job.namespace)
             except Exception:  # noqa: BLE001 - the registry is down: this job is not logged
                 logger.warning(
                     "could not read validation job %s to log its metrics to the sinks",
@@ -377,9 +377,7 @@ class SinkDispatcher:
             if not messages:
                 continue
             try:
-                self.registry.job_queue.add_warnings(
-                    job_id, [f"sink {kind}: {message}" for message in messages]
-                )
+                self.jobs.add_warnings(job_id, [f"sink {kind}: {message}" for message in messages])
             except Exception:  # noqa: BLE001 - the warning is in the log still
                 logger.warning(
                     "could not store the warning of sink %r with validation job %s",
