@@ -26,18 +26,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from validation_service.api.app import (
-        MIN_TOKEN_LENGTH,
-        PUBLIC_PATHS,
-        SECURITY_HEADERS,
-        TOKEN_COOKIE,
-        UI_PREFIX,
-        ApiGuard,
-        allowed_hosts,
-        check_bind,
-        checked_api_token,
-        create_app,
-    )
+    from validation_service.api.app import create_app
 
 
 def __getattr__(name: str) -> Any:

@@ -89,6 +89,16 @@ def upsert(conn: Connection, table, row: dict[str, Any], keys: list[str]) -> Non
     conn.execute(statement.on_conflict_do_update(index_elements=keys, set_=changed))
 
 
+def put_or_remove(
+    conn: Connection, table, keys: dict[str, Any], values: dict[str, Any] | None
+) -> None:
+    """The row of ``keys`` set to ``values`` (an upsert), or removed when ``values`` is None."""
+    if values is None:
+        conn.execute(delete(table).where(*(table.c[k] == v for k, v in keys.items())))
+    else:
+        upsert(conn, table, {**keys, **values}, list(keys))
+
+
 def live_checkpoint_id(conn: Connection, run_id: int, run: str, report_index: int) -> int:
     """The id of a checkpoint that is not deleted, locked until the transaction ends (so
     retention cannot delete it meanwhile); InvalidInput naming what exists otherwise."""
@@ -178,19 +188,8 @@ def tracking_rules(conn: Connection | Session, run_id: int) -> list[tuple[str, s
 
 def set_tag(conn: Connection, checkpoint_id: int, key: str, value: str | None) -> None:
     """Sets a tag, or removes it when ``value`` is None."""
-    if value is None:
-        conn.execute(
-            delete(CheckpointTag).where(
-                CheckpointTag.checkpoint_id == checkpoint_id, CheckpointTag.key == key
-            )
-        )
-        return
-    upsert(
-        conn,
-        CheckpointTag.__table__,
-        {"checkpoint_id": checkpoint_id, "key": key, "value": value},
-        ["checkpoint_id", "key"],
-    )
+    keys = {"checkpoint_id": checkpoint_id, "key": key}
+    put_or_remove(conn, CheckpointTag.__table__, keys, None if value is None else {"value": value})
 
 
 def with_aliases_and_tags(

@@ -157,20 +157,11 @@ class Assemblies:
         """Ends as INCOMPLETE the run's open assemblies of other worker groups: once a
         report of this group is sealed, an earlier group's missing parts never come
         (its workers were replaced). Returns how many ended."""
-        with self.db.write() as conn:
-            return conn.execute(
-                update(CheckpointAssembly)
-                .where(
-                    CheckpointAssembly.run_id == run_id,
-                    CheckpointAssembly.status.in_(_OPEN),
-                    ~CheckpointAssembly.group_key.startswith(group_prefix, autoescape=True),
-                )
-                .values(
-                    status=AssemblyStatus.INCOMPLETE.value,
-                    detail="a rank's part never came: its worker group was replaced",
-                    ended_at=utcnow(),
-                )
-            ).rowcount
+        return self._give_up(
+            "a rank's part never came: its worker group was replaced",
+            CheckpointAssembly.run_id == run_id,
+            ~CheckpointAssembly.group_key.startswith(group_prefix, autoescape=True),
+        )
 
     @retry_on_disconnect
     def give_up_ended_runs(self, run_ids: list[int] | None = None) -> int:
@@ -179,15 +170,18 @@ class Assemblies:
         ended = select(Run.id).where(Run.status != RunStatus.RUNNING.value)
         if run_ids is not None:
             ended = ended.where(Run.id.in_(run_ids))
+        return self._give_up(
+            "a rank's part never came: the run ended first",
+            CheckpointAssembly.run_id.in_(ended),
+        )
+
+    def _give_up(self, detail: str, *where: Any) -> int:
+        """Ends as INCOMPLETE, with ``detail``, the open assemblies ``where`` selects."""
         with self.db.write() as conn:
             return conn.execute(
                 update(CheckpointAssembly)
-                .where(CheckpointAssembly.run_id.in_(ended), CheckpointAssembly.status.in_(_OPEN))
-                .values(
-                    status=AssemblyStatus.INCOMPLETE.value,
-                    detail="a rank's part never came: the run ended first",
-                    ended_at=utcnow(),
-                )
+                .where(*where, CheckpointAssembly.status.in_(_OPEN))
+                .values(status=AssemblyStatus.INCOMPLETE.value, detail=detail, ended_at=utcnow())
             ).rowcount
 
     @retry_on_disconnect

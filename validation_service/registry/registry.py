@@ -378,22 +378,12 @@ class Registry(RegistryJobs):
                 self.catalog.require_run_id(session, run)  # RunNotFound, naming the runs
             return assemblies.not_complete(session, run_ids)
 
-    def retention_plan(
-        self,
-        run: str | None = None,
-        *,
-        metric: str,
-        mode: Mode = "max",
-        keep_best: int = 0,
-        keep_best_per_run: int = 1,
-        keep_latest: int = 1,
-    ) -> retention.RetentionPlan:
-        """What apply_retention would do now, deleting nothing: what it deletes, and what
-        it keeps as outside the storage roots of this registry's settings."""
-        rule = retention.RetentionRule(
-            metric, mode, keep_best, keep_best_per_run, keep_latest, run=run
-        )
-        going, kept = self.housekeeping.plan_retention(self.catalog, rule, strict=True)
+    def retention_plan(self, run: str | None = None, **rule: Any) -> retention.RetentionPlan:
+        """What apply_retention(run, **rule) would do now, deleting nothing (the same
+        keyword arguments but dry_run): what it deletes, and what it keeps as outside
+        the storage roots of this registry's settings."""
+        planned = retention.RetentionRule(**rule, run=run)
+        going, kept = self.housekeeping.plan_retention(self.catalog, planned, strict=True)
         return retention.RetentionPlan([c.record for c in going], [c.record for c in kept])
 
     @retry_on_disconnect

@@ -13,13 +13,13 @@ import logging
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import and_, delete, func, select, update
+from sqlalchemy import and_, func, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from validation_service.errors import InvalidInput
 from validation_service.jobs import MetricSource
-from validation_service.registry.aliases import upsert
+from validation_service.registry.aliases import put_or_remove
 from validation_service.registry.catalog import check_run_name
 from validation_service.registry.database import Database, retry_on_disconnect
 from validation_service.registry.models import (
@@ -102,16 +102,12 @@ def check_policy(run: str, policy: StopPolicy | None) -> None:
 
 def store_policy(conn: Connection, namespace: str, run: str, policy: StopPolicy | None) -> None:
     """Stores (None: removes) the run name's policy."""
-    if policy is None:
-        conn.execute(
-            delete(StopPolicyRow).where(
-                StopPolicyRow.namespace == namespace, StopPolicyRow.run_name == run
-            )
-        )
-        return
-    row: dict[str, Any] = {name: getattr(policy, name) for name in _POLICY_COLUMNS}
-    row.update(namespace=namespace, run_name=run, updated_at=utcnow())
-    upsert(conn, StopPolicyRow.__table__, row, ["namespace", "run_name"])
+    values = None
+    if policy is not None:
+        values = {name: getattr(policy, name) for name in _POLICY_COLUMNS}
+        values["updated_at"] = utcnow()
+    keys = {"namespace": namespace, "run_name": run}
+    put_or_remove(conn, StopPolicyRow.__table__, keys, values)
 
 
 def stored_policy(session: Session, namespace: str, run: str) -> StopPolicy | None:
