@@ -24,7 +24,6 @@ DELIBERATE = {
 # Copies still to be merged into one (remove a pair once it is gone).
 PENDING = {
     ("trainer_integration/_parts.py", "trainer_integration/_reporter.py"),
-    ("validation_service/registry/registry.py", "validation_service/registry/registry.py"),
 }
 
 _PUNCTUATION_ONLY = re.compile(r"[\s()\[\]{}:,]*")
