@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import struct
 import threading
 import time
@@ -176,7 +177,10 @@ def wandb_history(wandb_dir: Path, run_id: str) -> list[dict]:
     from wandb.proto import wandb_internal_pb2
 
     rows = []
-    for path in sorted(wandb_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+    # A run resumed within the second it started in gets the folder name with "-1" added.
+    folder = re.compile(rf"offline-run-.*-{re.escape(run_id)}(-\d+)?")
+    found = wandb_dir.glob(f"wandb/offline-run-*-{run_id}*/run-{run_id}.wandb")
+    for path in sorted(p for p in found if folder.fullmatch(p.parent.name)):
         data = path.read_bytes()
         assert data[:4] == b":W&B"
         position, pieces = 7, b""
