@@ -216,3 +216,43 @@ def test_the_api_revalidates_within_the_allowed_modules_and_ranks_by_validator(
     assert [c["report_index"] for c in best.json()] == [3, 4]
     assert listed.json()[3]["evaluations"]["v2"] == {"score": 1.8, "exact": 1.0}
     assert unknown.status_code == 404
+
+
+def test_revalidate_says_when_no_service_runs_to_take_the_jobs(reg, settings, tmp_path, unique_run):
+    """A shell with no ckval service reachable (CKVAL_RAY_ADDRESS where nothing listens):
+    the jobs are queued, and the command says at once that they wait for a service."""
+    import os
+    import subprocess
+    import sys
+
+    reported_run(tmp_path, settings, reg, unique_run)
+    env = {
+        **os.environ,
+        "CKVAL_DATABASE_URL": settings.database_url,
+        "CKVAL_STORAGE": settings.storage,
+        "CKVAL_RAY_ADDRESS": "127.0.0.1:1",
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "validation_service.cli",
+            "revalidate",
+            unique_run,
+            "--validator",
+            "later",
+            "--validate-fn",
+            "tests.test_revalidate:read_value",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert done.returncode == 0, done.stderr
+    assert "queued 5 job(s) of validator 'later'" in done.stdout
+    assert "no ckval service is running" in done.stderr and "ckval serve" in done.stderr
+    assert [j.status for j in reg.validations(unique_run) if j.validator == "later"] == [
+        "QUEUED"
+    ] * 5

@@ -97,6 +97,8 @@ def revalidate(ctx: click.Context, runs: tuple[str, ...], **options: Any) -> Non
         registry, targets, request, reports=reports, force=options["force"]
     )
     _echo_queued(options["validator"], done)
+    if done.job_ids:
+        _tell_service(registry.settings)
     if options["wait"] and done.job_ids:
         _wait(registry, options["validator"], done.job_ids, options["wait_timeout"])
 
@@ -111,6 +113,27 @@ def _echo_queued(validator: str, done) -> None:
     if done.deleted:
         shown = ", ".join(f"{run} #{index}" for run, index in done.deleted[:20])
         echo(f"skipped {len(done.deleted)} deleted checkpoint(s): {shown}")
+
+
+def _tell_service(settings) -> None:
+    """Wakes the running service for the new jobs, or says that none runs to take them."""
+    from validation_service.cli.service import find_service
+    from validation_service.errors import RayClusterNotFound
+
+    try:
+        handle, address = find_service(settings)
+    except RayClusterNotFound as exc:
+        problem = exc.reason
+    else:
+        if handle is not None:
+            handle.nudge()
+            return
+        problem = f"none on the Ray cluster at {address}"
+    echo(
+        f"warning: no ckval service is running ({problem}): the jobs stay QUEUED until one "
+        "runs (`ckval serve`)",
+        err=True,
+    )
 
 
 def _wait(registry, validator: str, job_ids: list[int], timeout_s: float) -> None:
