@@ -21,10 +21,6 @@ DELIBERATE = {
     ("trainer_integration/keras.py", "trainer_integration/transformers.py"),
     ("trainer_integration/lightning.py", "trainer_integration/transformers.py"),
 }
-# Copies still to be merged into one (remove a pair once it is gone).
-PENDING = {
-    ("trainer_integration/_parts.py", "trainer_integration/_reporter.py"),
-}
 
 _PUNCTUATION_ONLY = re.compile(r"[\s()\[\]{}:,]*")
 
@@ -77,7 +73,7 @@ def test_no_product_code_is_copied():
     copies = [
         f"{a}:{a_line} ~ {b}:{b_line}"
         for (a, b), (a_line, b_line) in sorted(repeated_runs(sources).items())
-        if (a, b) not in DELIBERATE | PENDING
+        if (a, b) not in DELIBERATE
     ]
     assert copies == [], (
         f"runs of {RUN_LINES} or more identical lines in two places (make one helper, or a "

@@ -85,7 +85,7 @@ def test_a_report_whose_process_died_before_its_index_is_finished_by_the_next_re
     assert sorted(os.listdir(run_folder)) == ["checkpoint_000000"]  # no record, no staging
     # This process's next report follows on.
     folder = _checkpoint_folder(tmp_path, 2)
-    index, _ = reporter.report({"step": 8}, Checkpoint.from_directory(folder), None, _sync())
+    index, _ = reporter.report(_sync({"step": 8}), Checkpoint.from_directory(folder))
     assert index == 1
     reporter.close()
 
@@ -127,10 +127,12 @@ def test_a_living_writers_report_is_never_taken_over(tmp_path, unique_run):
     other.close()
 
 
-def _sync():
+def _sync(metrics):
+    """A checked SYNC report of ``metrics`` with no validation."""
     from trainer_integration import CheckpointUploadMode
+    from trainer_integration._request import PreparedReport
 
-    return CheckpointUploadMode.SYNC
+    return PreparedReport(metrics, None, CheckpointUploadMode.SYNC, delete_local=False)
 
 
 def test_a_record_that_does_not_verify_is_never_used(tmp_path, unique_run, caplog):

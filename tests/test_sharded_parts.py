@@ -13,7 +13,7 @@ from ray.train import Checkpoint
 
 from trainer_integration._parts import ReportKey, ShardReporter
 from trainer_integration._reporter import RunReporter
-from trainer_integration._request import CheckpointUploadMode
+from trainer_integration._request import CheckpointUploadMode, PreparedReport
 from validation_service.config import Settings
 from validation_service.errors import CheckpointNotFound
 from validation_service.jobs import AssemblyStatus
@@ -139,10 +139,8 @@ def test_a_shard_that_is_no_folder_is_refused_naming_the_rank(tmp_path, what):
     named = r"report\(\) on rank 3: .*not a directory.*Pass Checkpoint"
     with pytest.raises(CheckpointNotFound, match=named):
         ShardReporter(reporter, 3).report(
-            {"step": 0},
+            PreparedReport({"step": 0}, None, CheckpointUploadMode.ASYNC, delete_local=False),
             Checkpoint.from_directory(str(path)),
-            None,
-            CheckpointUploadMode.ASYNC,
             ReportKey(group, 1),
         )
     # Refused before anything was reserved, copied or written (the signing key, made

@@ -148,13 +148,7 @@ def _report_and_register(
 ) -> tuple[int, str]:
     """A report outside Ray Train: the checkpoint's report index and URI, once registered
     (ASYNC: once its index is reserved)."""
-    return reporter.report(
-        prepared.metrics,
-        checkpoint,
-        prepared.job,
-        prepared.mode,
-        delete_local=prepared.delete_local,
-    )
+    return reporter.report(prepared, checkpoint)
 
 
 def _report_options(options: dict[str, Any]) -> ReportOptions:
@@ -181,9 +175,7 @@ def _report_in_ray_train(context, prepared: PreparedReport, checkpoint) -> None:
         return
     try:
         if mode is CheckpointUploadMode.NO_UPLOAD:
-            stored = StoredReport.finished(
-                *reporter.report(metrics, checkpoint, prepared.job, mode)
-            )
+            stored = StoredReport.finished(*reporter.report(prepared, checkpoint))
         else:
             # SYNC returns once ckval's own copy is stored (training may delete its folder);
             # ASYNC at once. Neither waits for the registry or the service.
@@ -221,14 +213,7 @@ def _report_shard(
     shards = ShardReporter(reporter, rank)
     metrics = prepared.metrics
     try:
-        shard = shards.report(
-            metrics,
-            checkpoint,
-            prepared.job,
-            prepared.mode,
-            key,
-            delete_local=prepared.delete_local,
-        )
+        shard = shards.report(prepared, checkpoint, key)
     except Exception:
         _to_ray_train(line, metrics)  # the other ranks are in this report too
         raise

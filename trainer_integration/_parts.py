@@ -19,12 +19,11 @@ import tempfile
 import threading
 import uuid
 from concurrent.futures import Future
-from typing import Any
 
 from trainer_integration._delivery import with_backoff
 from trainer_integration._imports import import_once
 from trainer_integration._reporter import _is_local, _uri_of
-from trainer_integration._request import CheckpointUploadMode
+from trainer_integration._request import CheckpointUploadMode, PreparedReport
 from validation_service.errors import CkvalError, InvalidInput
 from validation_service.jobs import AssemblyStatus
 from validation_service.manifest import scan_folder
@@ -114,24 +113,16 @@ class ShardReporter:
         self.reporter = reporter
         self.rank = rank
 
-    def report(
-        self,
-        metrics: dict[str, Any],
-        checkpoint,
-        job: ValidationRequest | None,
-        mode: CheckpointUploadMode,
-        key: ReportKey,
-        *,
-        delete_local: bool = False,
-    ) -> ShardReport:
-        """Starts storing this rank's folder as its part of the report ``key``.
+    def report(self, report: PreparedReport, checkpoint, key: ReportKey) -> ShardReport:
+        """Starts storing this rank's folder as its part of the report ``key`` (with the
+        report's metrics, validation request and upload mode).
 
         Returns once the folder is listed (ASYNC), once this rank's copy is stored
         (SYNC; with remote storage once its part is recorded). NO_UPLOAD registers no
         copy: the part is recorded in the background. A folder that cannot be stored is
         refused first, naming the rank.
         """
-        reporter = self.reporter
+        reporter, job, mode = self.reporter, report.job, report.mode
         reporter.note_trackers()
         signed_request(job, reporter.trust)  # a reference not allowed: refused before any copy
         reporter.raise_undelivered()
@@ -142,9 +133,9 @@ class ShardReporter:
             staged = reporter.storage.stage(source, reporter.settings.namespace, reporter.run)
         joined = reporter.submit("reserve", self._join, key)
         registered = reporter.submit(
-            "store", self._store, joined, checkpoint, source, staged, location, metrics
+            "store", self._store, joined, checkpoint, source, staged, location, report.metrics
         )
-        if delete_local and location is None and _is_local(checkpoint):
+        if report.delete_local and location is None and _is_local(checkpoint):
             registered.add_done_callback(lambda f: _drop_if_stored(f, checkpoint.path))
         reporter.remember(joined, registered)
         if mode is CheckpointUploadMode.SYNC and staged is None:

@@ -33,7 +33,7 @@ from trainer_integration._delivery import (
 )
 from trainer_integration._imports import import_once
 from trainer_integration._journal import Record, ReportJournal
-from trainer_integration._request import CheckpointUploadMode
+from trainer_integration._request import CheckpointUploadMode, PreparedReport
 from trainer_integration._service_link import ServiceLink, resolve_settings
 from trainer_integration._trackers import TRACKERS_TAG, active_trackers
 from validation_service.errors import CheckpointNotFound
@@ -264,24 +264,20 @@ class RunReporter:
         uri = checkpoint.path if _is_local(checkpoint) else _uri_of(checkpoint)
         return self.storage.adopt(uri, self.settings.namespace, self.run)
 
-    def report(
-        self,
-        metrics: dict[str, Any],
-        checkpoint,
-        job: ValidationRequest | None,
-        mode: CheckpointUploadMode,
-        *,
-        delete_local: bool = False,
-    ) -> tuple[int, str]:
-        """Persists and registers one checkpoint; returns its report index and URI.
+    def report(self, report: PreparedReport, checkpoint) -> tuple[int, str]:
+        """Persists and registers one checkpoint (with the report's metrics, validation
+        request and upload mode); returns its report index and URI.
 
         SYNC and NO_UPLOAD return once it is registered (or, with the registry
         unreachable, once stored: the registration is retried in the background).
         ASYNC returns once its index is reserved: store_and_register(). Raises
         ReportNotDelivered first if an earlier report could not be delivered.
         """
+        metrics, job, mode = report.metrics, report.job, report.mode
         if mode is CheckpointUploadMode.ASYNC:
-            stored = self.store_and_register(metrics, checkpoint, job, delete_local=delete_local)
+            stored = self.store_and_register(
+                metrics, checkpoint, job, delete_local=report.delete_local
+            )
             return stored.index, stored.uri
         self.note_trackers()
         signed_request(job, self.trust)  # a reference not allowed: refused before any copy
@@ -290,7 +286,7 @@ class RunReporter:
         if mode is CheckpointUploadMode.SYNC:
             source = self.scan(checkpoint)
             index = self.reserve_index()
-            persisted = self._store(checkpoint, index, delete_local, source)
+            persisted = self._store(checkpoint, index, report.delete_local, source)
         else:
             persisted = self.adopt(checkpoint)  # stays where it is: no folder to name
             index = self.reserve_index()

@@ -24,8 +24,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from validation_service.jobs import AssemblyStatus, RunStatus
-from validation_service.registry.catalog import Catalog
-from validation_service.registry.database import Database, retry_on_disconnect
+from validation_service.registry.catalog import NamespaceRoom
+from validation_service.registry.database import retry_on_disconnect
 from validation_service.registry.models import CheckpointAssembly, CheckpointPart, Run, utcnow
 
 _OPEN = (AssemblyStatus.ASSEMBLING.value, AssemblyStatus.SEALING.value)
@@ -66,13 +66,9 @@ class AssemblyRecord:
     deleted_at: dt.datetime | None
 
 
-class Assemblies:
+class Assemblies(NamespaceRoom):
     """The reporter's side of multi-rank checkpoints (composition.open_report_writer;
     ``Registry.assemblies`` too); each method takes one transaction."""
-
-    def __init__(self, db: Database, catalog: Catalog):
-        self.db = db
-        self.catalog = catalog
 
     @retry_on_disconnect
     def join(self, run_id: int, group_key: str, uri_of: Callable[[int], str]) -> Slot:

@@ -13,10 +13,11 @@ from sqlalchemy.engine import Connection, Row
 from sqlalchemy.orm import Session
 
 from validation_service.errors import InvalidInput, RunNotFound
-from validation_service.jobs import MetricSource, RunStatus
+from validation_service.jobs import DEFAULT_VALIDATOR, MetricSource, RunStatus
 from validation_service.metrics import rankable
 from validation_service.names import check_name
 from validation_service.registry.aliases import tag_conditions
+from validation_service.registry.database import Database
 from validation_service.registry.limits import KNOWN_METRICS_ROWS, KNOWN_RUN_NAMES
 from validation_service.registry.models import (
     Checkpoint,
@@ -29,7 +30,30 @@ from validation_service.registry.records import CheckpointRecord, RunRecord, rec
 
 Mode = Literal["max", "min"]
 
+
+@dataclasses.dataclass(frozen=True)
+class Ranking:
+    """What a best-k read ranks by: the top ``k`` checkpoints by ``metric`` ("max":
+    highest first), among those with every tag of ``tags``, by the default validation's
+    merged values or by a named ``validator``'s."""
+
+    metric: str
+    mode: Mode = "max"
+    k: int = 1
+    tags: dict[str, str] | None = None
+    validator: str = DEFAULT_VALIDATOR
+
+
 _checkpoints, _values, _runs = Checkpoint.__table__, MetricValue.__table__, Run.__table__
+
+
+class NamespaceRoom:
+    """A room whose operations run one namespace's catalog statements on the database,
+    each in one transaction of its own (the Ledger, the Assemblies, the DashboardReader)."""
+
+    def __init__(self, db: Database, catalog: Catalog):
+        self.db = db
+        self.catalog = catalog
 
 
 class Catalog:
@@ -235,18 +259,13 @@ class Catalog:
         return None if row is None else checkpoint_record(row, run)
 
     def best(
-        self,
-        session: Session,
-        run_id: int | None,
-        metric: str,
-        mode: Mode,
-        k: int,
-        tags: dict[str, str] | None = None,
+        self, session: Session | Connection, run_id: int | None, ranking: Ranking
     ) -> list[CheckpointRecord]:
         """Top-k by the effective (merged, finite) values of a metric; ties: earlier report.
 
         ``run_id``: one attempt of a run, or None for every run of the namespace.
         """
+        metric, mode, k, tags = ranking.metric, ranking.mode, ranking.k, ranking.tags
         if mode not in ("max", "min"):
             raise InvalidInput(f"mode must be 'max' or 'min', got {mode!r}")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:

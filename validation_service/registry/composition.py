@@ -57,33 +57,42 @@ def open_database(
 
 
 @dataclasses.dataclass(frozen=True)
-class ReportWriter:
-    """What a reporting process writes with: its run, report indices and registrations
-    (``ledger``), and the ranks' parts of sharded checkpoints (``assemblies``)."""
+class _OwnDatabase:
+    """Parts on a Database opened for them, which ``close()`` closes."""
 
     db: Database
-    ledger: Ledger
-    assemblies: Assemblies
 
     def close(self) -> None:
         self.db.close()
 
 
+def _open_for_namespace(settings: Settings) -> tuple[Database, Catalog]:
+    """The settings' registry (schema checked) and the catalog of their namespace."""
+    catalog = Catalog(namespace_of(None, settings))
+    return open_database(settings), catalog
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportWriter(_OwnDatabase):
+    """What a reporting process writes with: its run, report indices and registrations
+    (``ledger``), and the ranks' parts of sharded checkpoints (``assemblies``)."""
+
+    ledger: Ledger
+    assemblies: Assemblies
+
+
 def open_report_writer(settings: Settings) -> ReportWriter:
     """A reporting process's writer, on the settings' registry (schema checked)."""
-    namespace = namespace_of(None, settings)
-    db = open_database(settings)
-    catalog = Catalog(namespace)
+    db, catalog = _open_for_namespace(settings)
     return ReportWriter(db, Ledger(db, catalog), Assemblies(db, catalog))
 
 
 @dataclasses.dataclass(frozen=True)
-class ServiceParts:
+class ServiceParts(_OwnDatabase):
     """What a service replica's scheduler works with: the queue's claims, leases and
     outcomes (``job_queue``, which has housekeeping judged after them) and the replicas'
     rows (``replicas``); ``engine`` for the replica's wake-ups (wakeups.QueueListener)."""
 
-    db: Database
     job_queue: JobQueue
     replicas: ReplicaBook
 
@@ -95,15 +104,10 @@ class ServiceParts:
     def display_url(self) -> str:
         return self.db.display_url
 
-    def close(self) -> None:
-        self.db.close()
-
 
 def open_service_parts(settings: Settings) -> ServiceParts:
     """A service replica's parts, on the settings' registry (schema checked)."""
-    namespace = namespace_of(None, settings)
-    db = open_database(settings)
-    catalog = Catalog(namespace)
+    db, catalog = _open_for_namespace(settings)
     return ServiceParts(db, _job_queue(db, catalog, settings), ReplicaBook(db))
 
 

@@ -9,18 +9,14 @@ from collections.abc import Sequence
 
 from validation_service.errors import UnknownMetric
 from validation_service.registry import stats
-from validation_service.registry.catalog import Catalog, Mode
-from validation_service.registry.database import Database, retry_on_disconnect
+from validation_service.registry.catalog import Mode, NamespaceRoom
+from validation_service.registry.database import retry_on_disconnect
 from validation_service.registry.models import utcnow
 from validation_service.registry.records import JobRecord, RunRecord
 
 
-class DashboardReader:
+class DashboardReader(NamespaceRoom):
     """Grouped reads of one namespace's runs (the queue's figures: of every namespace)."""
-
-    def __init__(self, db: Database, catalog: Catalog):
-        self.db = db
-        self.catalog = catalog
 
     @retry_on_disconnect
     def run_page(

@@ -27,7 +27,7 @@ from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus, RunStatus, Val
 from validation_service.metrics import normalize_metrics, rankable
 from validation_service.names import check_name
 from validation_service.registry import registration, transitions
-from validation_service.registry.catalog import RECORD_COLUMNS, Mode, checkpoint_record
+from validation_service.registry.catalog import RECORD_COLUMNS, Ranking, checkpoint_record
 from validation_service.registry.limits import IDS_PER_IN_LIST
 from validation_service.registry.models import (
     Checkpoint,
@@ -248,16 +248,11 @@ def by_validator(session: Session, records: list[CheckpointRecord]) -> list[Chec
 
 
 def best(
-    session: Session,
-    namespace: str,
-    run_id: int | None,
-    validator: str,
-    metric: str,
-    mode: Mode,
-    k: int,
+    session: Session, namespace: str, run_id: int | None, ranking: Ranking
 ) -> list[CheckpointRecord]:
     """Top-k live checkpoints by one named evaluation's values of a metric; ties: the
     earlier report. ``run_id``: one run attempt, None: every run of the namespace."""
+    validator, metric, mode, k = ranking.validator, ranking.metric, ranking.mode, ranking.k
     order = _values.c.value.desc() if mode == "max" else _values.c.value.asc()
     query = (
         select(*RECORD_COLUMNS, Run.name.label("run_name"))
@@ -420,16 +415,17 @@ def register(registry, run: str, uri: Any, metrics: dict | None, step: int | Non
     raise RuntimeError(f"could not create or find run {run!r}")
 
 
-def best_records(session: Session, catalog, run, metric, mode, k, tags, attempt, validator):
+def best_records(session: Session, catalog, run, attempt, ranking: Ranking):
     """Registry.best_checkpoint(_record)s by a named evaluation's values, in the caller's
     read (``catalog``: the Registry's, of its namespace)."""
+    validator, metric = ranking.validator, ranking.metric
     check_name("validator name", validator)
-    if tags:
+    if ranking.tags:
         raise InvalidInput("tags= filters the default validator's ranking only")
-    if mode not in ("max", "min"):
-        raise InvalidInput(f"mode must be 'max' or 'min', got {mode!r}")
+    if ranking.mode not in ("max", "min"):
+        raise InvalidInput(f"mode must be 'max' or 'min', got {ranking.mode!r}")
     run_id = None if run is None else catalog.require_run_id(session, run, attempt)
-    found = best(session, catalog.namespace, run_id, validator, metric, mode, k)
+    found = best(session, catalog.namespace, run_id, ranking)
     if found:
         return by_validator(session, found)
     known = known_metrics(session, run_id, validator)

@@ -18,7 +18,7 @@ from validation_service.config import Settings
 from validation_service.errors import UnknownMetric
 from validation_service.registry import aliases as alias_store
 from validation_service.registry import retention
-from validation_service.registry.catalog import Catalog
+from validation_service.registry.catalog import Catalog, Ranking
 from validation_service.registry.database import Database, retry_on_disconnect
 from validation_service.registry.models import (
     RetentionPolicy,
@@ -184,7 +184,7 @@ def move_tracked_aliases(conn: Connection, catalog: Catalog, run_id: int) -> dic
     somewhere."""
     pointed: dict[str, int] = {}
     for alias, metric, mode in alias_store.tracking_rules(conn, run_id):
-        best = catalog.best(conn, run_id, metric, mode, 1)
+        best = catalog.best(conn, run_id, Ranking(metric, mode))
         if best:
             alias_store.set_alias(conn, run_id, alias, best[0].id)
             pointed[alias] = best[0].report_index

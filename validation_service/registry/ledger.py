@@ -19,8 +19,12 @@ from validation_service.errors import InvalidInput, RegistryRejected, ReportInde
 from validation_service.jobs import RunStatus
 from validation_service.metrics import normalize_metrics
 from validation_service.registry import queue, raw_sql, registration, transitions
-from validation_service.registry.catalog import Catalog, check_run_name, checkpoint_row
-from validation_service.registry.database import Database, retry_on_disconnect
+from validation_service.registry.catalog import (
+    NamespaceRoom,
+    check_run_name,
+    checkpoint_row,
+)
+from validation_service.registry.database import retry_on_disconnect
 from validation_service.registry.models import utcnow
 from validation_service.registry.records import Registration
 from validation_service.request import ValidationRequest
@@ -28,13 +32,9 @@ from validation_service.request import ValidationRequest
 logger = logging.getLogger(__name__)
 
 
-class Ledger:
+class Ledger(NamespaceRoom):
     """What a reporting process writes: its run, the indices of its reports, their
     checkpoints and validation jobs."""
-
-    def __init__(self, db: Database, catalog: Catalog):
-        self.db = db
-        self.catalog = catalog
 
     # ------------------------------------------------------------------- runs
     @retry_on_disconnect

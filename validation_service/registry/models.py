@@ -110,7 +110,20 @@ class Checkpoint(Base):
     jobs: Mapped[list[ValidationJob]] = relationship(back_populates="checkpoint")
 
 
-class MetricValue(Base):
+class _CheckpointValue:
+    """The columns of a table of named finite values of checkpoints: the checkpoint (first
+    in the primary key), the value's name (in the primary key), its run (copied, for
+    run-ranged index scans) and the value."""
+
+    checkpoint_id: Mapped[int] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True, sort_order=-1
+    )
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    value: Mapped[float] = mapped_column(Float)
+
+
+class MetricValue(_CheckpointValue, Base):
     """One finite numeric metric of one checkpoint, so best-k by any metric uses an index.
 
     ``effective`` marks the value the merged view shows: a validated value, or a
@@ -124,17 +137,12 @@ class MetricValue(Base):
         Index("ix_metric_values_rank", "name", "effective", "value"),
     )
 
-    checkpoint_id: Mapped[int] = mapped_column(
-        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
-    )
-    name: Mapped[str] = mapped_column(String(255), primary_key=True)
-    source: Mapped[str] = mapped_column(String(16), primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    value: Mapped[float] = mapped_column(Float)
-    effective: Mapped[bool] = mapped_column(Boolean, default=True)
+    # After the shared columns: the primary key is (checkpoint_id, name, source).
+    source: Mapped[str] = mapped_column(String(16), primary_key=True, sort_order=1)
+    effective: Mapped[bool] = mapped_column(Boolean, default=True, sort_order=1)
 
 
-class EvaluationMetric(Base):
+class EvaluationMetric(_CheckpointValue, Base):
     """One finite numeric metric of one checkpoint from a named evaluation (not "default"):
     each validator's values stay apart, and best-k by one of them uses an index."""
 
@@ -144,13 +152,7 @@ class EvaluationMetric(Base):
         Index("ix_evaluation_metrics_rank", "validator", "name", "value"),
     )
 
-    checkpoint_id: Mapped[int] = mapped_column(
-        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
-    )
     validator: Mapped[str] = mapped_column(String(128), primary_key=True)
-    name: Mapped[str] = mapped_column(String(255), primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    value: Mapped[float] = mapped_column(Float)
 
 
 class ValidationJob(Base):

@@ -1,4 +1,8 @@
-"""Plain, typed records the Registry returns (no ORM objects leave the registry)."""
+"""Plain, typed records the Registry returns (no ORM objects leave the registry).
+
+The records read off a row of many columns are built by keyword only: a field added
+or moved never shifts another's value.
+"""
 
 from __future__ import annotations
 
@@ -92,8 +96,12 @@ class RunSummary:
     stop: StopDecision | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointRecord:
+    """One reported (or registered) checkpoint: where it is stored, its reported,
+    validated and merged metrics (``metrics``: a validated value overrides a reported one
+    of the same name), and the status of its default validation."""
+
     id: int
     run: str
     report_index: int
@@ -127,7 +135,7 @@ def with_evaluations(
     return dataclasses.replace(record, evaluations=evaluations)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AttemptRecord:
     attempt: int
     lease_token: int
@@ -143,8 +151,10 @@ class AttemptRecord:
     log: str | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class JobRecord:
+    """One validation job of a checkpoint and its attempts so far (``ckval job N``)."""
+
     id: int
     run: str
     checkpoint_id: int
@@ -208,7 +218,7 @@ class Registration:
     created: bool  # False when the same run + report index was registered before
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ClaimedJob:
     """Everything an executor needs to run one attempt, and the token that fences it."""
 

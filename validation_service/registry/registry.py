@@ -34,7 +34,7 @@ from validation_service.registry import (
     stopping,
 )
 from validation_service.registry.assemblies import AssemblyRecord
-from validation_service.registry.catalog import Mode, check_run_name
+from validation_service.registry.catalog import Mode, Ranking, check_run_name
 from validation_service.registry.database import Database, retry_on_disconnect
 from validation_service.registry.housekeeping import move_tracked_aliases
 from validation_service.registry.records import (
@@ -208,7 +208,8 @@ class Registry(RegistryJobs):
         values (see revalidate); the metrics returned are then that evaluation's.
         """
         validation.check_k(k)
-        records = self._best_records(run, metric, mode or "max", k, tags, attempt, validator)
+        ranking = Ranking(metric, mode or "max", k, tags, validator)
+        records = self._best_records(run, attempt, ranking)
         if mode is None and records and lower_is_better(metric):
             warnings.warn(
                 f"best_checkpoints ranked {metric!r} with mode='max' (the default), but its "
@@ -235,28 +236,26 @@ class Registry(RegistryJobs):
     ) -> list[CheckpointRecord]:
         """As best_checkpoints, as records with their aliases and tags."""
         validation.check_k(k)
+        ranking = Ranking(metric, mode, k, tags, validator)
         with self.db.read() as session:
-            records = self._best(session, run, metric, mode, k, tags, attempt, validator)
+            records = self._best(session, run, attempt, ranking)
             return alias_store.with_aliases_and_tags(session, records)
 
     @retry_on_disconnect
-    def _best_records(self, run, metric, mode, k, tags, attempt, validator):
+    def _best_records(self, run, attempt, ranking: Ranking) -> list[CheckpointRecord]:
         """best_checkpoints' records, in one read (its warning is raised outside the
         disconnect retry, so that it points at the caller)."""
         with self.db.read() as session:
-            return self._best(session, run, metric, mode, k, tags, attempt, validator)
+            return self._best(session, run, attempt, ranking)
 
-    def _best(
-        self, session, run, metric, mode, k, tags, attempt, validator
-    ) -> list[CheckpointRecord]:
-        if validator != DEFAULT_VALIDATOR:
-            return evaluations.best_records(
-                session, self.catalog, run, metric, mode, k, tags, attempt, validator
-            )
+    def _best(self, session, run, attempt, ranking: Ranking) -> list[CheckpointRecord]:
+        if ranking.validator != DEFAULT_VALIDATOR:
+            return evaluations.best_records(session, self.catalog, run, attempt, ranking)
         run_id = None if run is None else self.catalog.require_run_id(session, run, attempt)
-        records = self.catalog.best(session, run_id, metric, mode, k, tags)
+        records = self.catalog.best(session, run_id, ranking)
         if records:
             return records
+        metric = ranking.metric
         known = self.catalog.known_metrics(session, run_id)
         # Recorded only as NaN/inf or non-numeric values, or perhaps still to come with a
         # pending validation: no error, no checkpoints.
