@@ -90,7 +90,7 @@ def test_the_run_pages_series_are_capped_and_the_rest_counted():
 def test_the_run_page_says_how_many_metrics_it_leaves_unplotted(tmp_path):
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     populate(registry, tmp_path)
-    page = data.run_json(registry, RUN, "/ui")
+    page = data.run_json(registry.dashboard, RUN, "/ui")
     registry.close()
     assert page["metrics_total"] == 2 and set(page["series"]) == {"acc", "step"}
 

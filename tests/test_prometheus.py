@@ -203,7 +203,7 @@ def test_histograms_from_sql_totals_then_job_by_job_without_double_counting(
     busy: Registry, tmp_path: Path
 ):
     # No overlap: the first scrape buckets every job so far in SQL.
-    collector = RegistryCollector(busy, SETTINGS, overlap_s=0.0)
+    collector = RegistryCollector(busy.dashboard, SETTINGS, overlap_s=0.0)
     first = _collect(collector)
     assert _count(first, "ckval_validation_duration_seconds", "CPU") == 2
     assert _count(first, "ckval_dispatch_latency_seconds", "CPU") == 3
@@ -219,7 +219,7 @@ def test_histograms_from_sql_totals_then_job_by_job_without_double_counting(
     third = _collect(collector)
     for family in ("ckval_validation_duration_seconds", "ckval_dispatch_latency_seconds"):
         assert third[family] == second[family]
-    fresh = _collect(RegistryCollector(busy, SETTINGS))
+    fresh = _collect(RegistryCollector(busy.dashboard, SETTINGS))
     for family in ("ckval_validation_duration_seconds", "ckval_dispatch_latency_seconds"):
         for pool in ("CPU", "A10G"):
             assert _count(fresh, family, pool) == _count(second, family, pool)

@@ -80,6 +80,12 @@ CALLS = {
         1, 7, uri="/ckpts/r/7", size_bytes=1, manifest_sha256=None, reported_metrics={}, job=JOB
     ),
     "assemblies.join": lambda r: r.assemblies.join(1, "group-0", lambda i: f"/ckpts/r/{i}"),
+    # What the dashboard and /metrics are given: the reader, one transaction a read.
+    "dashboard.run_view": lambda r: r.dashboard.run_view("r"),
+    "dashboard.run_page": lambda r: r.dashboard.run_page(metric="loss"),
+    "dashboard.replicas": lambda r: r.dashboard.replicas("ckval"),
+    # The policy stored and the run's results judged by it, together.
+    "set_stop_policy": lambda r: r.set_stop_policy("r", StopPolicy("loss", mode="min", patience=1)),
 }
 
 
@@ -95,6 +101,45 @@ def test_the_alias_read_selects_the_aliased_checkpoint_only(world: Registry):
     assert (record.report_index, record.aliases, record.tags) == (1, ("best",), {"split": "val"})
     world.set_alias("r", "best", 2)
     assert world.get_alias("r", "best")[1] == {"loss": pytest.approx(0.8)}
+
+
+def test_the_run_page_reads_the_latest_attempt_of_a_reused_run_name(world: Registry):
+    """A run name used again after its run ended: the page's record, checkpoints and jobs
+    are all of the new attempt, read together."""
+    world.ledger.finish_run("r")
+    run_id = world.ledger.ensure_run("r", storage_root="/ckpts")
+    world.ledger.register_checkpoint(
+        run_id,
+        world.ledger.reserve_report_index(run_id),
+        uri="/ckpts/r/2-0",
+        size_bytes=1,
+        manifest_sha256=None,
+        reported_metrics={"loss": 0.5},
+        job=JOB,
+    )
+    view = world.dashboard.run_view("r")
+    assert (view.record.attempt, view.record.id, view.record.status) == (2, run_id, "RUNNING")
+    assert [c.uri for c in view.checkpoints] == ["/ckpts/r/2-0"]
+    assert [job.report_index for job in view.jobs] == [0]
+
+
+def test_an_outcome_is_one_transaction_and_its_housekeeping_one_more(world: Registry):
+    """A job's outcome with nothing to follow it: one transaction. With a stop policy, a
+    tracked alias and retention: one more, after the outcome's commit (a failing rule
+    never loses a recorded result), whatever the policies decide."""
+    queue = world.job_queue
+    first, second = queue.claim_due_jobs("w/1", {}, lease_s=60)[:2]
+    with transactions(world) as taken:
+        assert queue.finish_job(first.job_id, first.lease_token, _succeeded({"loss": 0.9}))
+    assert len(taken) == 1
+    world.set_stop_policy("r", StopPolicy("loss", mode="min", threshold=0.5))
+    world.track_alias("r", "lowest", "loss", "min")
+    world.set_retention("r", metric="loss", mode="min", keep_best_per_run=1, keep_latest=1)
+    with transactions(world) as taken:
+        assert queue.finish_job(second.job_id, second.lease_token, _succeeded({"loss": 0.4}))
+    assert len(taken) == 2
+    assert world.stop_decision("r").rule == "threshold"
+    assert world.get_alias_record("r", "lowest").report_index == second.report_index
 
 
 def test_resuming_a_stopped_run_is_one_transaction(registry: Registry):

@@ -153,8 +153,9 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     from validation_service.api.registry import registry_router
 
     app.include_router(registry_router(registry, settings))
-    app.include_router(dashboard_router(registry, settings))
-    app.include_router(metrics_router(registry, settings))
+    # The dashboard and /metrics read through the registry's reader, and nothing else.
+    app.include_router(dashboard_router(registry.dashboard, settings))
+    app.include_router(metrics_router(registry.dashboard, settings))
     app.include_router(docs_router())
     return app
 

@@ -1,18 +1,41 @@
-"""The dashboard's and /metrics' reads: pages of runs, metric series, the queue's
-figures. ``Registry.dashboard``; the SQL is in stats.py.
+"""The dashboard's and /metrics' reads: pages of runs, one run as its page shows it,
+metric series, the queue's figures and the replicas. The dashboard and /metrics get a
+``DashboardReader`` and nothing else of the registry (``Registry.dashboard`` is the same);
+each read is one transaction, the SQL mostly stats.py's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Sequence
 
 from validation_service.errors import UnknownMetric
-from validation_service.registry import stats
+from validation_service.registry import evaluations, stats, stopping
 from validation_service.registry.catalog import Mode, NamespaceRoom
 from validation_service.registry.database import retry_on_disconnect
 from validation_service.registry.models import utcnow
-from validation_service.registry.records import JobRecord, RunRecord
+from validation_service.registry.records import (
+    CheckpointRecord,
+    JobRecord,
+    RunRecord,
+    StopDecision,
+)
+from validation_service.registry.replicas import ReplicaRecord, replica_records
+from validation_service.stopping import StopPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class RunView:
+    """What a run's page shows of the run's latest attempt, read in one transaction: its
+    record, checkpoints (with aliases, tags and every validator's metrics), jobs, stop
+    policy and latest stop decision."""
+
+    record: RunRecord
+    checkpoints: list[CheckpointRecord]
+    jobs: list[JobRecord]
+    stop_policy: StopPolicy | None
+    stop_decision: StopDecision | None
 
 
 class DashboardReader(NamespaceRoom):
@@ -43,11 +66,28 @@ class DashboardReader(NamespaceRoom):
     def run_record(self, run: str) -> RunRecord:
         """The named run of this namespace; RunNotFound otherwise."""
         with self.db.read() as session:
-            record = stats.run_record(session, self.catalog.namespace, run)
-            if record is None:
-                self.catalog.require_run_id(session, run)  # raises RunNotFound with hints
-            assert record is not None
-            return record
+            return self._run_record(session, run)
+
+    @retry_on_disconnect
+    def run_view(self, run: str) -> RunView:
+        """The named run's latest attempt as its page shows it; RunNotFound otherwise."""
+        with self.db.read() as session:
+            record = self._run_record(session, run)
+            checkpoints = self.catalog.checkpoints(session, record.id, run, include_deleted=False)
+            return RunView(
+                record=record,
+                checkpoints=evaluations.labelled(session, checkpoints),
+                jobs=stats.run_jobs(session, record.id, run),
+                stop_policy=stopping.stored_policy(session, self.catalog.namespace, run),
+                stop_decision=stopping.latest_decision(session, record.id),
+            )
+
+    def _run_record(self, session, run: str) -> RunRecord:
+        record = stats.run_record(session, self.catalog.namespace, run)
+        if record is None:
+            self.catalog.require_run_id(session, run)  # raises RunNotFound with hints
+        assert record is not None
+        return record
 
     @retry_on_disconnect
     def metric_series(self, runs: Sequence[str], metric: str) -> dict[str, list[stats.MetricPoint]]:
@@ -91,6 +131,12 @@ class DashboardReader(NamespaceRoom):
             return stats.metrics_snapshot(
                 session, now=utcnow(), grace_s=grace_s, changed_since=changed_since
             )
+
+    @retry_on_disconnect
+    def replicas(self, service_name: str) -> list[ReplicaRecord]:
+        """The service's replicas, with the leases each holds now."""
+        with self.db.read() as session:
+            return replica_records(session, service_name)
 
     @retry_on_disconnect
     def job_time_totals(

@@ -26,7 +26,7 @@ from validation_service.errors import InvalidInput, UnknownMetric
 from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus, RunStatus, ValidationStatus
 from validation_service.metrics import normalize_metrics, rankable
 from validation_service.names import check_name
-from validation_service.registry import registration, transitions
+from validation_service.registry import aliases, registration, transitions
 from validation_service.registry.catalog import RECORD_COLUMNS, Ranking, checkpoint_record
 from validation_service.registry.limits import IDS_PER_IN_LIST
 from validation_service.registry.models import (
@@ -232,6 +232,12 @@ def evaluations_query(checkpoint_ids: Any):
         )
         .order_by(_jobs.c.id)
     )
+
+
+def labelled(session: Session, records: list[CheckpointRecord]) -> list[CheckpointRecord]:
+    """The records with their aliases, tags and every validator's metrics, as
+    Registry.checkpoints and the run page return them."""
+    return by_validator(session, aliases.with_aliases_and_tags(session, records))
 
 
 def by_validator(session: Session, records: list[CheckpointRecord]) -> list[CheckpointRecord]:

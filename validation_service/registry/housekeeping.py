@@ -8,11 +8,12 @@ then their files removed from storage).
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 from collections.abc import Sequence
 
 from sqlalchemy import bindparam, exists, select
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Row
 
 from validation_service.config import Settings
 from validation_service.errors import UnknownMetric
@@ -28,10 +29,20 @@ from validation_service.registry.models import (
     utcnow,
 )
 from validation_service.registry.records import CheckpointRecord
-from validation_service.registry.stopping import StopRules
+from validation_service.registry.stopping import StopRules, judge
 from validation_service.secrets import mask_url
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Marked:
+    """Checkpoints marked deleted by retention (``at``), whose files are removed once the
+    marks are committed; ``shared``: the ids of those whose folder another record uses."""
+
+    deleted: list[retention.Candidate]
+    shared: set[int]
+    at: dt.datetime
 
 
 class Housekeeping:
@@ -64,16 +75,20 @@ class Housekeeping:
         Registry.apply_retention); ``strict``: an unknown metric raises UnknownMetric,
         else nothing goes."""
         with self.db.read() as session:
-            run_id = None if rule.run is None else catalog.require_run_id(session, rule.run)
-            found = retention.candidates(session, catalog.namespace, rule.run, exclude_runs)
-            found = retention.with_values(session, found, rule.metric)
-            if not any(c.value is not None for c in found):
-                known = catalog.known_metrics(session, run_id)
-                if rule.metric not in known:
-                    if not strict:
-                        return [], []
-                    raise UnknownMetric(rule.metric, rule.run, sorted(known))
-            aliased = retention.aliased_ids(session, [c.record.id for c in found])
+            return self._plan(session, catalog, rule, strict, exclude_runs)
+
+    def _plan(self, conn, catalog, rule, strict, exclude_runs):
+        """plan_retention's answer, in the caller's transaction."""
+        run_id = None if rule.run is None else catalog.require_run_id(conn, rule.run)
+        found = retention.candidates(conn, catalog.namespace, rule.run, exclude_runs)
+        found = retention.with_values(conn, found, rule.metric)
+        if not any(c.value is not None for c in found):
+            known = catalog.known_metrics(conn, run_id)
+            if rule.metric not in known:
+                if not strict:
+                    return [], []
+                raise UnknownMetric(rule.metric, rule.run, sorted(known))
+        aliased = retention.aliased_ids(conn, [c.record.id for c in found])
         going = retention.to_delete(found, rule, aliased)
         roots = self.settings.deletion_roots()
         return retention.split_by_storage(going, roots, self.settings.storage_options)
@@ -87,19 +102,34 @@ class Housekeeping:
         strict: bool,
         exclude_runs: Sequence[str] = (),
     ) -> list[CheckpointRecord]:
-        """Deletes what plan_retention finds deletable (rows marked deleted, then files
-        removed); returns those checkpoints, or with ``dry_run`` those that would go."""
-        going, _kept = self.plan_retention(catalog, rule, strict=strict, exclude_runs=exclude_runs)
-        if dry_run or not going:
+        """Deletes what plan_retention finds deletable (rows marked deleted in one
+        transaction, then files removed); returns those checkpoints, or with ``dry_run``
+        those that would go."""
+        if dry_run:
+            going, _kept = self.plan_retention(
+                catalog, rule, strict=strict, exclude_runs=exclude_runs
+            )
             return [c.record for c in going]
-        now = utcnow()
         with self.db.write() as conn:
-            marked = retention.mark_deleted(conn, [c.record.id for c in going], now)
+            marked = self._mark(conn, catalog, rule, strict, exclude_runs)
+        return self._remove_files(catalog, marked)
+
+    def _mark(self, conn, catalog, rule, strict, exclude_runs) -> _Marked:
+        """The rows apply_retention deletes, marked in the caller's write transaction."""
+        going, _kept = self._plan(conn, catalog, rule, strict, exclude_runs)
+        now = utcnow()
+        marked = retention.mark_deleted(conn, [c.record.id for c in going], now) if going else ()
         deleted = [c for c in going if c.record.id in marked]
-        with self.db.read() as session:
-            shared = retention.shared_folders(session, deleted)
-        retention.delete_files(deleted, shared, catalog.namespace, self.settings.storage_options)
-        return [dataclasses.replace(c.record, deleted_at=now) for c in deleted]
+        shared = retention.shared_folders(conn, deleted) if deleted else set()
+        return _Marked(deleted, shared, now)
+
+    def _remove_files(self, catalog: Catalog, marked: _Marked) -> list[CheckpointRecord]:
+        """Removes the files of the rows marked deleted, once their marks are committed."""
+        if marked.deleted:
+            retention.delete_files(
+                marked.deleted, marked.shared, catalog.namespace, self.settings.storage_options
+            )
+        return [dataclasses.replace(c.record, deleted_at=marked.at) for c in marked.deleted]
 
     def remove_incomplete(self, assemblies, run_ids: list[int] | None) -> int:
         """Ends the assemblies of ended runs whose parts never all came, and removes the
@@ -133,40 +163,43 @@ class Housekeeping:
             assemblies.mark_deleted(assembly_id)
         return removed
 
-    def after_validation(self, run_id: int) -> None:
-        """What follows merged metrics: the run's stop policy is judged (a decision is
-        stored once), its tracked aliases move to its best checkpoints, then its stored
-        retention policy (else its namespace's) applies.
+    def after_validation(self, run_id: int, todo: Row | None) -> None:
+        """What follows merged metrics, as ``todo`` (to_do_after, read with the outcome)
+        says: the run's stop policy is judged (a decision is stored once), its tracked
+        aliases move to its best checkpoints, and its stored retention policy (else its
+        namespace's) marks checkpoints deleted, in one transaction; their files are
+        removed once it commits.
 
-        Never raises: the validation's outcome is recorded already; a failure is logged.
+        Never raises: the validation's outcome is recorded already; a failure is logged
+        and the next validation of the run catches up.
         """
+        if todo is None or not (todo.judged or todo.tracked or todo.retained):
+            return  # as a rule: no policy, no tracked alias, no retention
         try:
-            # One read finds out whether anything is to do (usually nothing): no write
-            # transaction per finished validation without a policy or rules.
-            with self.db.read() as session:
-                todo = session.execute(_TO_DO_AFTER_VALIDATION, {"b_run_id": run_id}).first()
-                if todo is None:  # the run is gone
-                    return
-                stored = retention.policies(session, todo.namespace) if todo.retained else {}
-            if todo.judged:
-                self.judge_stop_policy(run_id)
-            if todo.tracked:
-                self.refresh_tracked_aliases(run_id)
-            if not stored:
-                return
-            namespace, name = todo.namespace, todo.name
             catalog = self.catalog
-            if namespace != catalog.namespace:
-                catalog = Catalog(namespace)
-            if name in stored:
-                self.apply_retention(catalog, stored[name], dry_run=False, strict=False)
-            elif None in stored:
-                own = [run for run in stored if run is not None]
-                self.apply_retention(
-                    catalog, stored[None], dry_run=False, strict=False, exclude_runs=own
-                )
+            if todo.namespace != catalog.namespace:
+                catalog = Catalog(todo.namespace)
+            with self.db.write() as conn:
+                if todo.judged:
+                    judge(conn, run_id)
+                if todo.tracked:
+                    move_tracked_aliases(conn, self.catalog, run_id)
+                marked = self._retention_marks(conn, catalog, todo) if todo.retained else None
+            if marked is not None:
+                self._remove_files(catalog, marked)
         except Exception:  # noqa: BLE001 - the next validation of the run catches up
             logger.exception("housekeeping after a validation of run id %s", run_id)
+
+    def _retention_marks(self, conn: Connection, catalog: Catalog, todo: Row) -> _Marked | None:
+        """The run's stored retention policy applied (else its namespace's, which leaves
+        out the runs with one of their own), in the caller's write transaction."""
+        stored = retention.policies(conn, todo.namespace)
+        if todo.name in stored:
+            return self._mark(conn, catalog, stored[todo.name], False, ())
+        if None in stored:
+            own = [run for run in stored if run is not None]
+            return self._mark(conn, catalog, stored[None], False, own)
+        return None
 
     def judge_stop_policy(self, run_id: int) -> None:
         """Judges the run's stop policy (registry/stopping.py): after a merge, and after a
@@ -195,6 +228,15 @@ def move_tracked_aliases(conn: Connection, catalog: Catalog, run_id: int) -> dic
 # and whether its name has a stop policy, it has tracked aliases, its namespace has
 # retention policies.
 _runs = Run.__table__
+
+
+def to_do_after(conn: Connection, run_id: int) -> Row | None:
+    """What follows a validation of the run (its namespace and name; ``judged``: it has
+    a stop policy; ``tracked``: tracked aliases; ``retained``: a retention policy), read
+    in the outcome's transaction; None when the run is gone."""
+    return conn.execute(_TO_DO_AFTER_VALIDATION, {"b_run_id": run_id}).first()
+
+
 _TO_DO_AFTER_VALIDATION = select(
     _runs.c.namespace,
     _runs.c.name,

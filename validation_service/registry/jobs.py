@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from sqlalchemy.engine import Row
 from sqlalchemy.exc import IntegrityError
 
 from validation_service.errors import InvalidInput, RegistryRejected, RetryLimitReached
@@ -21,7 +22,7 @@ from validation_service.metrics import normalize_metrics
 from validation_service.registry import evaluations, job_warnings, queue, transitions
 from validation_service.registry.catalog import Catalog
 from validation_service.registry.database import Database, retry_on_disconnect
-from validation_service.registry.housekeeping import Housekeeping
+from validation_service.registry.housekeeping import Housekeeping, to_do_after
 from validation_service.registry.models import utcnow
 from validation_service.registry.records import ClaimedJob, JobOutcome, JobRecord
 from validation_service.retry import AttemptBudget, RetryPolicy
@@ -138,22 +139,22 @@ class JobQueue:
             raise RegistryRejected(self.db.display_url, exc) from exc
         if finished is None:
             return False
-        run_id, status, validator = finished
+        run_id, status, validator, todo = finished
         if validator != DEFAULT_VALIDATOR:
             return True  # a named evaluation over history: no run stops or moves for it
         if metrics is not None:
             # Merged metrics may stop the run, move tracked aliases and let retention delete.
-            self.housekeeping.after_validation(run_id)
-        elif status in (JobStatus.FAILED, JobStatus.TIMED_OUT):
+            self.housekeeping.after_validation(run_id, todo)
+        elif status in (JobStatus.FAILED, JobStatus.TIMED_OUT) and todo and todo.judged:
             # The checkpoints after this one waited for its outcome to be judged.
             self.housekeeping.judge_stop_policy(run_id)
         return True
 
     def _finish_job(
         self, job_id, lease_token, outcome, metrics, policy
-    ) -> tuple[int, JobStatus, str] | None:
-        """The job's run id, new status and validator once its outcome is recorded; None
-        for a stale token."""
+    ) -> tuple[int, JobStatus, str, Row | None] | None:
+        """The job's run id, new status and validator once its outcome is recorded, and
+        what follows it (housekeeping.to_do_after); None for a stale token."""
         now = utcnow()
         with self.db.write() as conn:
             job = transitions.running_job(conn, job_id, lease_token)
@@ -161,7 +162,8 @@ class JobQueue:
                 # A retry after a lost connection: the first try may have committed.
                 done = transitions.succeeded_job(conn, job_id, lease_token)
                 if done is not None:
-                    return done.run_id, JobStatus.SUCCEEDED, done.validator
+                    todo = to_do_after(conn, done.run_id)
+                    return done.run_id, JobStatus.SUCCEEDED, done.validator, todo
             if job is None:
                 logger.warning(
                     "discarding the result of job %s with stale lease token %s",
@@ -197,7 +199,9 @@ class JobQueue:
                 transitions.finish(
                     conn, job, outcome, decision.status, now, not_before=decision.not_before
                 )
-        return job.run_id, status, job.validator
+            # What follows it (usually nothing), read here: no transaction of its own.
+            todo = to_do_after(conn, job.run_id) if job.validator == DEFAULT_VALIDATOR else None
+        return job.run_id, status, job.validator, todo
 
     @retry_on_disconnect
     def add_warnings(self, job_id: int, messages: list[str]) -> bool:

@@ -174,8 +174,7 @@ class Registry(RegistryJobs):
             records = self.catalog.checkpoints(
                 session, run_id, run, include_deleted=include_deleted, tags=tags
             )
-            records = alias_store.with_aliases_and_tags(session, records)
-            return evaluations.by_validator(session, records)
+            return evaluations.labelled(session, records)
 
     @retry_on_disconnect
     def latest_checkpoint(self, run: str, *, attempt: int | None = None):
@@ -409,8 +408,8 @@ class Registry(RegistryJobs):
         with self.db.write() as conn:
             stopping.store_policy(conn, self.namespace, run, policy)
             run_id = None if policy is None else self.catalog.run_id(conn, run)
-        if run_id is not None:  # judged after the policy is stored: a step of its own
-            self.stopping.evaluate(run_id)
+            if run_id is not None:  # the results the run has already
+                stopping.judge(conn, run_id)
         return policy
 
     @retry_on_disconnect

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
 
 from validation_service.jobs import JobStatus
 from validation_service.registry.database import Database
@@ -98,19 +100,27 @@ class ReplicaBook:
 
     def list(self, service_name: str | None = None) -> list[ReplicaRecord]:
         """The replicas (of one service), by name, with the leases each holds now."""
-        leases = (
-            select(func.count(_jobs.c.id))
-            .where(
-                _jobs.c.status == JobStatus.RUNNING.value,
-                _jobs.c.lease_owner == _replicas.c.owner,
-            )
-            .scalar_subquery()
-        )
-        query = select(_replicas, leases.label("leases")).order_by(_replicas.c.name)
-        if service_name is not None:
-            query = query.where(_replicas.c.service_name == service_name)
         with self.db.read() as session:
-            return [ReplicaRecord(**row._mapping) for row in session.execute(query)]
+            return replica_records(session, service_name)
+
+
+def replica_records(
+    session: Session | Connection, service_name: str | None = None
+) -> list[ReplicaRecord]:
+    """The replicas (of one service), by name, with the leases each holds now, in the
+    caller's transaction (ReplicaBook.list; the dashboard's reader for /metrics)."""
+    leases = (
+        select(func.count(_jobs.c.id))
+        .where(
+            _jobs.c.status == JobStatus.RUNNING.value,
+            _jobs.c.lease_owner == _replicas.c.owner,
+        )
+        .scalar_subquery()
+    )
+    query = select(_replicas, leases.label("leases")).order_by(_replicas.c.name)
+    if service_name is not None:
+        query = query.where(_replicas.c.service_name == service_name)
+    return [ReplicaRecord(**row._mapping) for row in session.execute(query)]
 
 
 def replica_name(service_name: str, index: int) -> str:

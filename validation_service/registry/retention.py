@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 from validation_service.errors import InvalidInput
 from validation_service.jobs import ValidationStatus
 from validation_service.registry.aliases import upsert
-from validation_service.registry.catalog import checkpoint_record
+from validation_service.registry.catalog import RECORD_COLUMNS, checkpoint_record
 from validation_service.registry.models import (
     Checkpoint,
     CheckpointAlias,
@@ -84,11 +84,20 @@ class Candidate:
 
 
 def candidates(
-    session: Session, namespace: str, run: str | None, exclude_runs: Iterable[str] = ()
+    session: Session | Connection,
+    namespace: str,
+    run: str | None,
+    exclude_runs: Iterable[str] = (),
 ) -> list[Candidate]:
     """The checkpoints (not deleted) of every attempt of ``run``, or of the namespace."""
     query = (
-        select(Checkpoint, Run.name, Run.attempt, Run.storage_root)
+        select(
+            *RECORD_COLUMNS,
+            Checkpoint.run_id,
+            Run.name.label("run_name"),
+            Run.attempt.label("run_attempt"),
+            Run.storage_root,
+        )
         .join(Run, Run.id == Checkpoint.run_id)
         .where(
             Run.namespace == namespace,
@@ -103,8 +112,8 @@ def candidates(
     if excluded:
         query = query.where(Run.name.not_in(excluded))
     return [
-        Candidate(checkpoint_record(c, name), c.run_id, attempt, root, None)
-        for c, name, attempt, root in session.execute(query.order_by(Checkpoint.id))
+        Candidate(checkpoint_record(c, c.run_name), c.run_id, c.run_attempt, c.storage_root, None)
+        for c in session.execute(query.order_by(Checkpoint.id))
     ]
 
 
@@ -327,9 +336,10 @@ def save_policy(conn: Connection, namespace: str, rule: RetentionRule) -> None:
     upsert(conn, RetentionPolicy.__table__, row, ["namespace", "run_name"])
 
 
-def policies(session: Session, namespace: str) -> dict[str | None, RetentionRule]:
+def policies(session: Session | Connection, namespace: str) -> dict[str | None, RetentionRule]:
     """Run name (None: the namespace's own policy) -> its stored rule."""
-    rows = session.scalars(select(RetentionPolicy).where(RetentionPolicy.namespace == namespace))
+    table = RetentionPolicy.__table__
+    rows = session.execute(select(table).where(table.c.namespace == namespace))
     return {
         (row.run_name or None): RetentionRule(
             **{name: getattr(row, name) for name in _POLICY_COLUMNS}, run=row.run_name or None

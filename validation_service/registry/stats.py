@@ -216,7 +216,13 @@ def _best_per_run(
 
 
 def run_record(session: Session, namespace: str, name: str) -> RunRecord | None:
-    run = session.scalar(select(Run).where(Run.namespace == namespace, Run.name == name))
+    """The record of the named run's latest attempt, or None."""
+    run = session.scalar(
+        select(Run)
+        .where(Run.namespace == namespace, Run.name == name)
+        .order_by(Run.attempt.desc())
+        .limit(1)
+    )
     return None if run is None else record_from(RunRecord, run)
 
 

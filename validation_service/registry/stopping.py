@@ -2,7 +2,7 @@
 after a validation's result is merged (the rules themselves are in
 validation_service/stopping.py, without a database), and a user's override.
 
-``StopRules.evaluate`` judges (``Housekeeping.after_validation`` calls it); the users'
+``judge`` (``StopRules.evaluate``, ``Housekeeping.after_validation``) judges; the users'
 calls (Registry.set_stop_policy, stop_policy, stop_decision, resume_despite_stop) run
 the statements below in their own transaction.
 """
@@ -48,6 +48,9 @@ _POLICY_COLUMNS = (
 )
 
 
+_POLICY_FIELDS = tuple(StopPolicyRow.__table__.c[name] for name in _POLICY_COLUMNS)
+
+
 class StopRules:
     """Judges a run attempt by its name's stop policy after a validation ended
     (``Housekeeping.judge_stop_policy``), for the runs of any namespace of the database.
@@ -59,36 +62,40 @@ class StopRules:
 
     @retry_on_disconnect
     def evaluate(self, run_id: int) -> StopDecision | None:
-        """Judges the run attempt by its name's policy, after a validation's result was
-        merged (or failed); stores and returns a new decision, or None. The first decision
-        of a round stays (a unique key), however many validations finish at once."""
-        with self.db.read() as session:
-            found = _policy_and_run(session, run_id)
-            if found is None:
-                return None
-            policy, run = found
-            latest = session.execute(_decisions_query().where(Run.id == run_id)).all()
-            if latest and latest[-1].overridden_at is None:
-                return None  # decided: later results are merged, the decision stays
-            after = latest[-1].resumed_after_index if latest else None
-            seen = _observations(session, run_id, policy.metric, after)
-            peers = _peers(session, run, policy.metric) if policy.median_of_runs else None
-        verdict = decide(policy, seen, peers)
-        if verdict is None:
-            return None
-        round_ = latest[-1].round + 1 if latest else 0
+        """Judges the run attempt by its name's policy (see judge), in one transaction."""
         with self.db.write() as conn:
-            if not _insert_decision(conn, run_id, round_, policy, verdict):
-                return None
-        if verdict.skipped:
-            logger.info(
-                "run %r: passed over checkpoints %s before deciding",
-                run.name,
-                ", ".join(f"{index} ({why})" for index, why in verdict.skipped),
-            )
-        logger.info("run %r should stop: %s", run.name, verdict.reason)
-        with self.db.read() as session:
-            return latest_decision(session, run_id)
+            return judge(conn, run_id)
+
+
+def judge(conn: Connection, run_id: int) -> StopDecision | None:
+    """Judges the run attempt by its name's policy, after a validation's result was
+    merged (or failed) or a policy was stored, in the caller's write transaction; stores
+    and returns a new decision, or None. The first decision of a round stays (a unique
+    key), however many validations finish at once."""
+    found = _policy_and_run(conn, run_id)
+    if found is None:
+        return None
+    policy, run = found
+    latest = conn.execute(_decisions_query().where(Run.id == run_id)).all()
+    if latest and latest[-1].overridden_at is None:
+        return None  # decided: later results are merged, the decision stays
+    after = latest[-1].resumed_after_index if latest else None
+    seen = _observations(conn, run_id, policy.metric, after)
+    peers = _peers(conn, run, policy.metric) if policy.median_of_runs else None
+    verdict = decide(policy, seen, peers)
+    if verdict is None:
+        return None
+    round_ = latest[-1].round + 1 if latest else 0
+    if not _insert_decision(conn, run_id, round_, policy, verdict):
+        return None
+    if verdict.skipped:
+        logger.info(
+            "run %r: passed over checkpoints %s before deciding",
+            run.name,
+            ", ".join(f"{index} ({why})" for index, why in verdict.skipped),
+        )
+    logger.info("run %r should stop: %s", run.name, verdict.reason)
+    return latest_decision(conn, run_id)
 
 
 def check_policy(run: str, policy: StopPolicy | None) -> None:
@@ -176,14 +183,15 @@ def _decision(row: Any) -> StopDecision:
     return StopDecision.from_row(row, row.run_name, row.run_attempt)
 
 
-def _policy(row: StopPolicyRow) -> StopPolicy:
+def _policy(row: Any) -> StopPolicy:
+    """The policy of a stop_policies row (an ORM row or a plain one with its columns)."""
     return StopPolicy(**{name: getattr(row, name) for name in _POLICY_COLUMNS})
 
 
-def _policy_and_run(session: Session, run_id: int) -> tuple[StopPolicy, Any] | None:
+def _policy_and_run(session: Session | Connection, run_id: int) -> tuple[StopPolicy, Any] | None:
     """The policy stored for the run attempt's name, and the attempt; None without one."""
     found = session.execute(
-        select(StopPolicyRow, Run.id, Run.name, Run.namespace)
+        select(*_POLICY_FIELDS, Run.id, Run.name, Run.namespace)
         .join(
             Run,
             and_(Run.namespace == StopPolicyRow.namespace, Run.name == StopPolicyRow.run_name),
@@ -192,11 +200,11 @@ def _policy_and_run(session: Session, run_id: int) -> tuple[StopPolicy, Any] | N
     ).first()
     if found is None:
         return None
-    return _policy(found[0]), found
+    return _policy(found), found
 
 
 def _observations(
-    session: Session, run_id: int, metric: str, after_index: int | None
+    session: Session | Connection, run_id: int, metric: str, after_index: int | None
 ) -> list[Observation]:
     """The run attempt's checkpoints (after ``after_index``) as the rules see them."""
     query = select(
@@ -222,7 +230,7 @@ def _number(row: Any, metric: str) -> float | None:
     return float(value)
 
 
-def _peers(session: Session, run: Any, metric: str) -> PeerCurves:
+def _peers(session: Session | Connection, run: Any, metric: str) -> PeerCurves:
     """The validated values of ``metric`` of the namespace's earlier run attempts (smaller
     ids), by step (else report index). Only finite values are ranked, so only they count."""
     position = func.coalesce(Checkpoint.step, Checkpoint.report_index)

@@ -22,8 +22,8 @@ from validation_service.api.views import (
 )
 from validation_service.errors import InvalidInput
 from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus
+from validation_service.registry.dashboard_reads import DashboardReader
 from validation_service.registry.records import CheckpointRecord
-from validation_service.registry.registry import Registry
 from validation_service.registry.stats import Mode, RunPage, default_mode
 
 # More runs than this in one plot is unreadable; the page says so instead of drawing it.
@@ -107,21 +107,20 @@ class MetricChoice:
 
 
 def run_json(
-    registry: Registry, run: str, base: str, choice: MetricChoice | None = None
+    reader: DashboardReader, run: str, base: str, choice: MetricChoice | None = None
 ) -> dict[str, Any]:
     """One run: its record, a series per metric shown, its checkpoints and its jobs (with
     the values of the metrics shown), and its stop policy with the latest decision of
     its latest attempt (the plots mark it). ``metrics_total`` counts the run's metrics,
     ``metrics_omitted`` names those not shown."""
     choice = (choice or MetricChoice()).check()
-    record = registry.dashboard.run_record(run)
-    checkpoints = registry.checkpoints(run)
-    jobs = registry.dashboard.run_jobs(run)
+    view = reader.run_view(run)  # one read: the record, checkpoints and jobs agree
+    checkpoints, jobs = view.checkpoints, view.jobs
     names = metric_names(checkpoints)
     shown = choice.shown(names)
     kept = set(shown)
     return {
-        "run": run_record_json(record),
+        "run": run_record_json(view.record),
         "metrics_total": len(names),
         "metrics_shown": shown,
         "metrics_omitted": [name for name in names if name not in kept],
@@ -134,8 +133,8 @@ def run_json(
         "validators": named_validators(checkpoints),
         "checkpoints": [_with_metrics(labelled_checkpoint_json(c), kept) for c in checkpoints],
         "jobs": [_with_result_metrics(job_json(job), kept) for job in jobs],
-        "stop_policy": stop_policy_json(registry.stop_policy(run)),
-        "stop_decision": stop_decision_json(registry.stop_decision(run)),
+        "stop_policy": stop_policy_json(view.stop_policy),
+        "stop_decision": stop_decision_json(view.stop_decision),
     }
 
 
@@ -223,7 +222,7 @@ def _named_values(checkpoints: list[CheckpointRecord], name: str) -> dict[str, l
 
 
 def compare_json(
-    registry: Registry, runs_param: str, metric: str | None, mode: Mode | None, base: str
+    reader: DashboardReader, runs_param: str, metric: str | None, mode: Mode | None, base: str
 ) -> dict[str, Any]:
     """Several runs' values of one metric, aligned on the union of their report indexes."""
     runs = parse_runs(runs_param)
@@ -232,7 +231,7 @@ def compare_json(
             "compare needs metric=NAME, the metric to plot for runs "
             f"{', '.join(runs)}; open a run's page to see the metrics it recorded."
         )
-    series = registry.dashboard.metric_series(runs, metric)
+    series = reader.metric_series(runs, metric)
     x = sorted({point.report_index for points in series.values() for point in points})
     position = {index: i for i, index in enumerate(x)}
     aligned: dict[str, list[float | None]] = {}
@@ -248,7 +247,7 @@ def compare_json(
         "urls": {run: run_url(base, run) for run in runs},
         "x": x,
         "series": aligned,
-        "active_jobs": registry.dashboard.active_job_count(runs),
+        "active_jobs": reader.active_job_count(runs),
     }
 
 

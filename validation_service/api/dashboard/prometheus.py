@@ -36,8 +36,8 @@ from prometheus_client.registry import Collector
 from validation_service.config import Settings
 from validation_service.errors import RegistryUnavailable
 from validation_service.jobs import TERMINAL_JOB_STATUSES, JobStatus, RunStatus
+from validation_service.registry.dashboard_reads import DashboardReader
 from validation_service.registry.models import utcnow
-from validation_service.registry.registry import Registry
 from validation_service.registry.replicas import ReplicaRecord
 from validation_service.registry.stats import Buckets, JobTimes, MetricsSnapshot, QueueHealth
 
@@ -106,8 +106,10 @@ class JobHistogram:
 class RegistryCollector(Collector):
     """The queue, the registrations and the service's health, read at every scrape."""
 
-    def __init__(self, registry: Registry, settings: Settings, *, overlap_s: float = OVERLAP_S):
-        self.registry = registry
+    def __init__(
+        self, reader: DashboardReader, settings: Settings, *, overlap_s: float = OVERLAP_S
+    ):
+        self.reader = reader
         self.settings = settings
         self.overlap = dt.timedelta(seconds=overlap_s)
         self.durations = JobHistogram(DURATION_BUCKETS_S)
@@ -119,7 +121,7 @@ class RegistryCollector(Collector):
         try:
             with self._lock:
                 snapshot = self._read()
-                replicas = self.registry.replicas.list(self.settings.service_name)
+                replicas = self.reader.replicas(self.settings.service_name)
                 durations = self.durations.family(
                     "ckval_validation_duration_seconds",
                     "Validation time of jobs that ended, first claim to end (retries included).",
@@ -149,13 +151,13 @@ class RegistryCollector(Collector):
         now = utcnow()
         if self._cutoff is None:
             cutoff = now - self.overlap
-            totals = self.registry.dashboard.job_time_totals(
+            totals = self.reader.job_time_totals(
                 duration_bounds=DURATION_BUCKETS_S, latency_bounds=LATENCY_BUCKETS_S, until=cutoff
             )
             self.durations.add_totals(totals[0])
             self.latencies.add_totals(totals[1])
             self._cutoff = cutoff
-        snapshot = self.registry.dashboard.metrics_snapshot(
+        snapshot = self.reader.metrics_snapshot(
             grace_s=self.settings.lease_s, changed_since=self._cutoff
         )
         for job in snapshot.changed:
@@ -269,10 +271,10 @@ def _queue_metrics(snapshot: MetricsSnapshot) -> Iterator[Metric]:
     yield registered
 
 
-def metrics_router(registry: Registry, settings: Settings) -> APIRouter:
-    """GET /metrics in Prometheus' text format, over ``registry``."""
+def metrics_router(reader: DashboardReader, settings: Settings) -> APIRouter:
+    """GET /metrics in Prometheus' text format, over the registry's ``reader``."""
     collectors = CollectorRegistry(auto_describe=False)
-    collectors.register(RegistryCollector(registry, settings))
+    collectors.register(RegistryCollector(reader, settings))
     router = APIRouter(include_in_schema=False)
 
     @router.get("/metrics")

@@ -17,7 +17,7 @@ from validation_service.api.dashboard import data
 from validation_service.config import Settings
 from validation_service.errors import CkvalError, InvalidInput, RunNotFound, UnknownMetric
 from validation_service.metrics import encode_non_finite
-from validation_service.registry.registry import Registry
+from validation_service.registry.dashboard_reads import DashboardReader
 
 PREFIX = "/ui"
 # How many runs one page of the runs list shows, and the most a request may ask for.
@@ -70,12 +70,12 @@ def _json(content: Any) -> JSONResponse:
     return JSONResponse(encode_non_finite(content), headers={"Cache-Control": "no-store"})
 
 
-def dashboard_router(registry: Registry, settings: Settings) -> APIRouter:
-    """The dashboard over ``registry``: /ui/ (runs), /ui/runs/{run}, /ui/compare, and the
-    JSON they refresh from under /ui/api/. Handlers are plain ``def``: registry calls block,
-    so FastAPI runs them in its thread pool."""
+def dashboard_router(reader: DashboardReader, settings: Settings) -> APIRouter:
+    """The dashboard over the registry's ``reader``: /ui/ (runs), /ui/runs/{run},
+    /ui/compare, and the JSON they refresh from under /ui/api/. Handlers are plain
+    ``def``: registry reads block, so FastAPI runs them in its thread pool."""
     router = APIRouter(prefix=PREFIX, include_in_schema=False)
-    pages = _Pages(registry)
+    pages = _Pages(reader)
     _add_page_routes(router, pages)
     _add_data_routes(router, pages)
     _add_static_route(router)
@@ -83,18 +83,18 @@ def dashboard_router(registry: Registry, settings: Settings) -> APIRouter:
 
 
 class _Pages:
-    """Renders the dashboard's pages over one registry: the page's JSON embedded, or the
-    error a reader can act on."""
+    """Renders the dashboard's pages over the registry's reader: the page's JSON
+    embedded, or the error a person can act on."""
 
-    def __init__(self, registry: Registry) -> None:
-        self.registry = registry
+    def __init__(self, reader: DashboardReader) -> None:
+        self.reader = reader
 
     @staticmethod
     def base(request: Request) -> str:
         return request.scope.get("root_path", "") + PREFIX
 
     def runs(self, request: Request, listing: RunListing) -> dict:
-        result = self.registry.dashboard.run_page(
+        result = self.reader.run_page(
             page=listing.page_number,
             per_page=listing.per_page,
             metric=listing.metric,
@@ -120,8 +120,8 @@ class _Pages:
             .get_template(template)
             .render(
                 base=self.base(request),
-                namespace=self.registry.namespace,
-                database=self.registry.display_url,
+                namespace=self.reader.catalog.namespace,
+                database=self.reader.db.display_url,
                 **values,
             )
         )
@@ -147,7 +147,7 @@ def _add_page_routes(router: APIRouter, pages: _Pages) -> None:
         request: Request, run: str, choice: data.MetricChoice = Depends(_metric_choice)
     ) -> Response:
         try:
-            content = data.run_json(pages.registry, run, pages.base(request), choice)
+            content = data.run_json(pages.reader, run, pages.base(request), choice)
         except CkvalError as exc:
             return pages.error_page(request, exc)
         return pages.page(request, "run.html", run, content, run=run)
@@ -162,7 +162,7 @@ def _add_page_routes(router: APIRouter, pages: _Pages) -> None:
         content = None
         if runs is not None:
             try:
-                content = data.compare_json(pages.registry, runs, metric, mode, pages.base(request))
+                content = data.compare_json(pages.reader, runs, metric, mode, pages.base(request))
             except CkvalError as exc:
                 return pages.error_page(request, exc)
         return pages.page(
@@ -181,7 +181,7 @@ def _add_data_routes(router: APIRouter, pages: _Pages) -> None:
     def run_data(
         request: Request, run: str, choice: data.MetricChoice = Depends(_metric_choice)
     ) -> JSONResponse:
-        return _json(data.run_json(pages.registry, run, pages.base(request), choice))
+        return _json(data.run_json(pages.reader, run, pages.base(request), choice))
 
     @router.get("/api/compare")
     def compare_data(
@@ -190,7 +190,7 @@ def _add_data_routes(router: APIRouter, pages: _Pages) -> None:
         metric: str | None = Query(None, max_length=255),
         mode: ModeParam = None,
     ) -> JSONResponse:
-        return _json(data.compare_json(pages.registry, runs, metric, mode, pages.base(request)))
+        return _json(data.compare_json(pages.reader, runs, metric, mode, pages.base(request)))
 
 
 def _add_static_route(router: APIRouter) -> None:
