@@ -100,3 +100,47 @@ class Database:
             )
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{self.name}"'))
         self.admin.dispose()
+
+
+def fresh_registries(backends, prefix: str):
+    """(backend, Registry) on a fresh database of each backend in turn (SQLite in a temp
+    folder, PostgreSQL a new database on CKVAL_TEST_POSTGRES_URL's server), each closed
+    and dropped once the caller moves on."""
+    from validation_service.registry.registry import Registry
+
+    for backend in backends:
+        database = Database(backend, prefix)
+        try:
+            registry = Registry(database.url, upgrade=True)
+            try:
+                yield backend, registry
+            finally:
+                registry.close()
+        finally:
+            database.drop()
+
+
+def time_get(client, url: str, warmup: int, repeats: int) -> dict:
+    """GETs ``url`` ``warmup`` times unmeasured, then ``repeats`` times: the median and 95th
+    percentile of the wall time (ms), the median CPU time of this process (ms: the API's,
+    with a TestClient) and the answer's size in bytes."""
+    import statistics
+    import time
+
+    for _ in range(warmup):
+        assert client.get(url).status_code == 200, url
+    times, cpu, size = [], [], 0
+    for _ in range(repeats):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        response = client.get(url)
+        times.append((time.perf_counter() - start) * 1000)
+        cpu.append((time.process_time() - start_cpu) * 1000)
+        assert response.status_code == 200, (url, response.text[:300])
+        size = len(response.content)
+    times.sort()
+    return {
+        "median": statistics.median(times),
+        "p95": times[min(len(times) - 1, int(0.95 * len(times)))],
+        "cpu": statistics.median(cpu),
+        "bytes": size,
+    }

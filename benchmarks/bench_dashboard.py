@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -31,7 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import Database, command_line, load_average  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    command_line,
+    fresh_registries,
+    load_average,
+    time_get,
+)
 
 BUDGET_MS = 100.0
 BATCH = 5_000
@@ -261,27 +265,8 @@ def time_endpoints(registry, runs: int, warmup: int, repeats: int) -> list[dict]
             }
         )
         for name, url in endpoints(runs):
-            for _ in range(warmup):
-                assert client.get(url).status_code == 200, url
-            times, cpu, size = [], [], 0
-            for _ in range(repeats):
-                start, start_cpu = time.perf_counter(), time.process_time()
-                response = client.get(url)
-                times.append((time.perf_counter() - start) * 1000)
-                cpu.append((time.process_time() - start_cpu) * 1000)
-                assert response.status_code == 200, (url, response.text[:300])
-                size = len(response.content)
-            times.sort()
-            results.append(
-                {
-                    "endpoint": name,
-                    "url": url,
-                    "median": statistics.median(times),
-                    "p95": times[min(len(times) - 1, int(0.95 * len(times)))],
-                    "cpu": statistics.median(cpu),
-                    "bytes": size,
-                }
-            )
+            timed = time_get(client, url, warmup, repeats)
+            results.append({"endpoint": name, "url": url, **timed})
     return results
 
 
@@ -298,8 +283,6 @@ def main() -> None:
         args.runs, args.checkpoints_per_run, args.warmup, args.repeats = 20, 10, 1, 3
     os.environ.setdefault("CKVAL_HOME", tempfile.mkdtemp(prefix="bench-dash-home-"))
 
-    from validation_service.registry.registry import Registry
-
     load_before = load_average()
     lines = [
         f"    {command_line()}",
@@ -309,29 +292,22 @@ def main() -> None:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     notes = []
-    for backend in args.backends:
-        database = Database(backend, "bench-dash-")
-        try:
-            registry = Registry(database.url, upgrade=True)
-            seconds = load(registry, args.runs, args.checkpoints_per_run)
-            total = args.runs * args.checkpoints_per_run
-            notes.append(
-                f"- {backend}: {total:,} checkpoints in {args.runs:,} runs loaded in "
-                f"{seconds:.1f} s"
+    for backend, registry in fresh_registries(args.backends, "bench-dash-"):
+        seconds = load(registry, args.runs, args.checkpoints_per_run)
+        total = args.runs * args.checkpoints_per_run
+        notes.append(
+            f"- {backend}: {total:,} checkpoints in {args.runs:,} runs loaded in {seconds:.1f} s"
+        )
+        print(notes[-1], file=sys.stderr, flush=True)
+        for row in time_endpoints(registry, args.runs, args.warmup, args.repeats):
+            ok = "yes" if row["median"] < BUDGET_MS else "**no**"
+            if "first scrape" in row["endpoint"]:
+                ok = "(once per process)"
+            lines.append(
+                f"| {backend} | {row['endpoint']} | {row['median']:.1f} | {row['p95']:.1f} "
+                f"| {row['cpu']:.1f} | {row['bytes']:,} | {ok} |"
             )
-            print(notes[-1], file=sys.stderr, flush=True)
-            for row in time_endpoints(registry, args.runs, args.warmup, args.repeats):
-                ok = "yes" if row["median"] < BUDGET_MS else "**no**"
-                if "first scrape" in row["endpoint"]:
-                    ok = "(once per process)"
-                lines.append(
-                    f"| {backend} | {row['endpoint']} | {row['median']:.1f} | {row['p95']:.1f} "
-                    f"| {row['cpu']:.1f} | {row['bytes']:,} | {ok} |"
-                )
-                print(lines[-1], file=sys.stderr, flush=True)
-            registry.close()
-        finally:
-            database.drop()
+            print(lines[-1], file=sys.stderr, flush=True)
     lines += ["", *notes, f"- load average before {load_before}, after {load_average()}"]
     print("\n".join(lines))
 

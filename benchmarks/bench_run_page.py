@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -28,7 +27,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import Database, command_line, load_average  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    command_line,
+    fresh_registries,
+    load_average,
+    time_get,
+)
 
 RUN = "run-wide"
 # What the run page asks by default, and for as many metrics as one request may.
@@ -81,26 +85,8 @@ def time_requests(registry, queries: list[str], warmup: int, repeats: int) -> li
         for what, path in [("run data", f"/ui/api/runs/{RUN}"), ("run page", f"/ui/runs/{RUN}")]:
             for query in queries:
                 url = f"{path}?{query}" if query else path
-                for _ in range(warmup):
-                    assert client.get(url).status_code == 200, url
-                times, cpu, size = [], [], 0
-                for _ in range(repeats):
-                    start, start_cpu = time.perf_counter(), time.process_time()
-                    response = client.get(url)
-                    times.append((time.perf_counter() - start) * 1000)
-                    cpu.append((time.process_time() - start_cpu) * 1000)
-                    assert response.status_code == 200, (url, response.text[:300])
-                    size = len(response.content)
-                times.sort()
-                results.append(
-                    {
-                        "what": f"{what}{f' ?{query}' if query else ''}",
-                        "median": statistics.median(times),
-                        "p95": times[min(len(times) - 1, int(0.95 * len(times)))],
-                        "cpu": statistics.median(cpu),
-                        "bytes": size,
-                    }
-                )
+                timed = time_get(client, url, warmup, repeats)
+                results.append({"what": f"{what}{f' ?{query}' if query else ''}", **timed})
     return results
 
 
@@ -118,8 +104,6 @@ def main() -> None:
         args.checkpoints, args.metrics, args.warmup, args.repeats = 10, 60, 0, 2
     os.environ.setdefault("CKVAL_HOME", tempfile.mkdtemp(prefix="bench-run-page-home-"))
 
-    from validation_service.registry.registry import Registry
-
     load_before = load_average()
     lines = [
         f"    {command_line()}",
@@ -128,25 +112,19 @@ def main() -> None:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     notes = []
-    for backend in args.backends:
-        database = Database(backend, "bench-run-page-")
-        try:
-            registry = Registry(database.url, upgrade=True)
-            seconds = load(registry, args.checkpoints, args.metrics)
-            notes.append(
-                f"- {backend}: {args.checkpoints} checkpoints x {args.metrics} metrics "
-                f"(reported and validated) loaded in {seconds:.1f} s"
+    for backend, registry in fresh_registries(args.backends, "bench-run-page-"):
+        seconds = load(registry, args.checkpoints, args.metrics)
+        notes.append(
+            f"- {backend}: {args.checkpoints} checkpoints x {args.metrics} metrics "
+            f"(reported and validated) loaded in {seconds:.1f} s"
+        )
+        print(notes[-1], file=sys.stderr, flush=True)
+        for row in time_requests(registry, args.query or QUERIES, args.warmup, args.repeats):
+            lines.append(
+                f"| {backend} | {row['what']} | {row['median']:.1f} | {row['p95']:.1f} "
+                f"| {row['cpu']:.1f} | {row['bytes']:,} |"
             )
-            print(notes[-1], file=sys.stderr, flush=True)
-            for row in time_requests(registry, args.query or QUERIES, args.warmup, args.repeats):
-                lines.append(
-                    f"| {backend} | {row['what']} | {row['median']:.1f} | {row['p95']:.1f} "
-                    f"| {row['cpu']:.1f} | {row['bytes']:,} |"
-                )
-                print(lines[-1], file=sys.stderr, flush=True)
-            registry.close()
-        finally:
-            database.drop()
+            print(lines[-1], file=sys.stderr, flush=True)
     lines += ["", *notes, f"- load average before {load_before}, after {load_average()}"]
     print("\n".join(lines))
 
