@@ -112,28 +112,9 @@ def test_revalidate_with_a_filter_and_bad_arguments(reg, settings, tmp_path, uni
         *("--validate-fn", "tests.test_revalidate:read_value"),
     )
     no_fn = ckval(settings, "revalidate", unique_run, "--validator", "v2")
-    bad_reports = ckval(
-        settings,
-        "revalidate",
-        unique_run,
-        "--validator",
-        "v",
-        "--validate-fn",
-        "json:dumps",
-        "--reports",
-        "0,x",
-    )
-    missing_report = ckval(
-        settings,
-        "revalidate",
-        unique_run,
-        "--validator",
-        "v",
-        "--validate-fn",
-        "json:dumps",
-        "--reports",
-        "9",
-    )
+    of_reports = ("revalidate", unique_run, "--validator", "v", "--validate-fn", "json:dumps")
+    bad_reports = ckval(settings, *of_reports, "--reports", "0,x")
+    missing_report = ckval(settings, *of_reports, "--reports", "9")
     bad_name = ckval(
         settings, "revalidate", unique_run, "--validator", "a/b", "--validate-fn", "json:dumps"
     )
