@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -527,6 +528,50 @@ def test_serve_detach_without_a_ray_cluster_is_refused_and_starts_none(without_r
     assert "--detach leaves the service on a running Ray cluster" in err
     assert "no Ray cluster found" in err and "ray start --head --port 6380" in err
     assert not list((tmp_path / "ray-tmp").glob("**/session_*"))
+
+
+# `ckval serve` in the background, then `ckval status` (until it answers) and `ckval stop`
+# from other processes, as from another shell; prints each one's exit status.
+SERVE_THEN_STATUS = """
+ckval="$PYTHON -m validation_service.cli"
+$ckval serve > serve.log 2>&1 &
+served=$!
+while [ $SECONDS -lt 150 ]; do
+    timeout 20 $ckval status > status.json 2> status.err
+    code=$?
+    [ "$code" = 0 ] && break
+    kill -0 $served 2> /dev/null || break
+    sleep 1
+done
+echo "status: $code"
+timeout 20 $ckval stop > stop.out 2>&1
+echo "stop: $?"
+kill -INT $served  # Ctrl-C, as in a terminal
+timeout 30 tail --pid=$served -f /dev/null
+"""
+
+
+def test_status_joins_the_ray_that_serve_started_with_its_token(without_ray, tmp_path):
+    """A new local Ray gets a token from Ray (RAY_AUTH_MODE unset), kept in
+    ~/.ray/auth_token: `ckval status` and `ckval stop` from another process join that Ray
+    with it, as `ray status` does, instead of failing on a missing token."""
+    prefix, env = without_ray
+    env.pop("RAY_AUTH_MODE", None)
+    env.update(HOME=str(tmp_path / "home"), CKVAL_HOME=str(tmp_path / "ckval"))
+    # A short Ray temp folder: its sockets' paths must fit a Unix socket's 107 bytes.
+    env.update(PYTHON=sys.executable, RAY_TMPDIR=tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    done = subprocess.run(
+        [*prefix, "bash", "-c", SERVE_THEN_STATUS],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    logs = {name: (tmp_path / name).read_text() for name in ("serve.log", "status.err")}
+    assert "status: 0\nstop: 0" in done.stdout, (done.stdout, done.stderr, logs)
+    assert (tmp_path / "home" / ".ray" / "auth_token").is_file()  # the Ray had a token
+    assert json.loads((tmp_path / "status.json").read_text())["replicas"], logs
 
 
 @pytest.mark.parametrize("command", ["status", "stop"])

@@ -30,13 +30,19 @@ def connect_existing_ray(settings: Settings) -> str:
     if ray.is_initialized():
         return ray.get_runtime_context().gcs_address
     address, source = _configured_address(settings)
-    if address is None:
+    discovered = address is None
+    if discovered:
         address, source = _discovered_address(), "this machine's running Ray"
     if not _answers(address):
         raise RayClusterNotFound(address, source)
+    # A Ray found on this machine is joined as ray.init(address="auto") joins it: with
+    # its token when it has one (recent Ray releases give a new local Ray one, as to
+    # `ckval serve`'s). With an explicit address Ray sends a token only under
+    # RAY_AUTH_MODE=token. (RAY_ADDRESS=local would make "auto" start a new Ray.)
+    join_as_found = discovered and os.environ.get("RAY_ADDRESS", "auto") == "auto"
     try:
         ray.init(
-            address=address,
+            address="auto" if join_as_found else address,
             log_to_driver=False,
             logging_level=logging.WARNING,
             ignore_reinit_error=True,
