@@ -260,7 +260,7 @@ def test_plain_script_early_stopping_failing_validation_and_resume(
     assert float(trainer.callback_metrics["val_acc"]) == pytest.approx(
         received[2]["val_acc"], abs=1e-6
     )
-    assert registry.dashboard.run_record(unique_run).status == "FINISHED"  # ended with fit()
+    assert registry.dashboard.run_view(unique_run).record.status == "FINISHED"  # ended with fit()
 
 
 def test_bad_arguments_are_refused_before_training(unique_run):

@@ -243,7 +243,8 @@ def test_plain_script_logs_validated_metrics_while_training_and_resumes(
     # Resumed at step 6 of the Ray Train run: the saves of steps 8, 10 and 12 only.
     assert [r.step for r in records] == [8, 10, 12]
     assert [r.validation_status for r in records] == ["VALIDATED"] * 3
-    assert registry.dashboard.run_record(unique_run).status == "FINISHED"  # ended with training
+    # The run ended with training.
+    assert registry.dashboard.run_view(unique_run).record.status == "FINISHED"
     logged = [e for e in trainer.state.log_history if "eval_checkpoint_step" in e]
     assert [e["eval_checkpoint_step"] for e in logged] == [8, 10, 12]
     assert logged[0]["step"] < 12  # arrived and logged while training went on

@@ -63,16 +63,13 @@ class DashboardReader(NamespaceRoom):
             )
 
     @retry_on_disconnect
-    def run_record(self, run: str) -> RunRecord:
-        """The named run of this namespace; RunNotFound otherwise."""
-        with self.db.read() as session:
-            return self._run_record(session, run)
-
-    @retry_on_disconnect
     def run_view(self, run: str) -> RunView:
         """The named run's latest attempt as its page shows it; RunNotFound otherwise."""
         with self.db.read() as session:
-            record = self._run_record(session, run)
+            record = stats.run_record(session, self.catalog.namespace, run)
+            if record is None:
+                self.catalog.require_run_id(session, run)  # raises RunNotFound with hints
+            assert record is not None
             checkpoints = self.catalog.checkpoints(session, record.id, run, include_deleted=False)
             return RunView(
                 record=record,
@@ -81,13 +78,6 @@ class DashboardReader(NamespaceRoom):
                 stop_policy=stopping.stored_policy(session, self.catalog.namespace, run),
                 stop_decision=stopping.latest_decision(session, record.id),
             )
-
-    def _run_record(self, session, run: str) -> RunRecord:
-        record = stats.run_record(session, self.catalog.namespace, run)
-        if record is None:
-            self.catalog.require_run_id(session, run)  # raises RunNotFound with hints
-        assert record is not None
-        return record
 
     @retry_on_disconnect
     def metric_series(self, runs: Sequence[str], metric: str) -> dict[str, list[stats.MetricPoint]]:
@@ -112,14 +102,6 @@ class DashboardReader(NamespaceRoom):
         with self.db.read() as session:
             run_ids = [self.catalog.require_run_id(session, run) for run in runs]
             return stats.active_jobs(session, run_ids)
-
-    @retry_on_disconnect
-    def run_jobs(self, run: str) -> list[JobRecord]:
-        """The run's jobs and attempts for display (like Registry.validations(), without
-        reading the stored validate_fn payloads)."""
-        with self.db.read() as session:
-            run_id = self.catalog.require_run_id(session, run)
-            return stats.run_jobs(session, run_id, run)
 
     @retry_on_disconnect
     def metrics_snapshot(
