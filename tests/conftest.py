@@ -127,7 +127,7 @@ def no_started_run_outlives_its_test():
     Client open must not hand that run to the next test's report() or callbacks, nor keep
     a should_stop() watcher reading a registry that is gone."""
     yield
-    started = sys.modules.get("trainer_integration")
+    started = sys.modules.get("trainer_integration._client")
     if started is not None:
         started._current_run = None
     stopping = sys.modules.get("trainer_integration._stopping")

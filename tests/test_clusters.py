@@ -263,3 +263,37 @@ def test_a_replicas_node_is_lost_and_every_validation_still_ends_once(
         f"{sum(len(j.attempt_history) for j in jobs) - reports} attempt(s) run again; "
         f"timings {summary['timings']}, wall {summary['wall_s']}s"
     )
+
+
+def test_on_a_fresh_ray_a_stop_decision_reaches_every_rank_within_a_second_or_two(
+    cluster_program,
+):
+    """The README's early-stopping pattern as the first thing on a fresh Ray, with Ray
+    Train's own health-check interval: every rank stops at the same epoch, soon after the
+    service records the decision (the validated accuracy stops improving after epoch 3)."""
+    summary = cluster_program.run("fresh_early_stop.py")
+    decided_at = summary["decided_at"]
+    assert decided_at is not None, "no stop decision was recorded"
+    assert summary["decided_report"] == 5  # patience 2 after the plateau of epoch 3
+    ranks = summary["ranks"]
+    stopped_at = {rank: epochs[-1]["epoch"] for rank, epochs in ranks.items()}
+    assert all(epochs[-1]["stop"] for epochs in ranks.values()), stopped_at
+    assert len(set(stopped_at.values())) == 1, stopped_at  # the same step on every rank
+    for rank, epochs in ranks.items():
+        late = [e["epoch"] for e in epochs if not e["stop"] and e["asked"] > decided_at + 1.5]
+        assert late == [], f"rank {rank} was told to go on more than 1.5 s after the decision"
+    figure(
+        f"fresh Ray, early stop: decided after report 5, every rank stopped after epoch "
+        f"{stopped_at['0']} (of 24); wall {summary['wall_s']}s"
+    )
+
+
+def test_ranks_on_two_nodes_with_two_registries_fail_the_first_report_naming_both(
+    cluster_program,
+):
+    summary = cluster_program.run("split_registry.py")
+    error = summary["error"]
+    assert error is not None and "report into different registries" in error, error
+    assert summary["home"] in error and summary["other_home"] in error
+    # No checkpoint was split across them: neither registry holds one.
+    assert all(count in (0, None) for count in summary["checkpoints"].values())

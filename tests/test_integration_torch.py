@@ -183,9 +183,9 @@ def report_a_missing_then_a_real_checkpoint(config):
         return
     # Importing trainer_integration set rank 0's reporter up on a thread, writing nothing.
     deadline = time.monotonic() + 60
-    while run not in trainer_integration._reporters and time.monotonic() < deadline:
+    while run not in trainer_integration._client._reporters and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert run in trainer_integration._reporters
+    assert run in trainer_integration._client._reporters
     assert Registry().find_run_id(run) is None
     missing = ray.train.Checkpoint.from_directory(os.path.join(config["home"], "no-such-dir"))
     try:

@@ -43,57 +43,58 @@ def test_the_head_node_has_the_resource_that_pins_the_first_replica(ray_session)
     assert _ray_compat.HEAD_NODE_RESOURCE in head["Resources"]
 
 
-def test_the_internals_switch_turns_the_report_line_off(monkeypatch):
+def test_the_internals_switch_turns_the_workers_internals_off(monkeypatch):
     monkeypatch.setenv(_ray_compat.INTERNALS_VAR, "0")
     assert not _ray_compat.internals_enabled()
-    assert _ray_compat.upload_line() is None
+    assert _ray_compat.run_checkpoint_config() is None
     monkeypatch.setenv(_ray_compat.INTERNALS_VAR, "1")
     assert _ray_compat.internals_enabled()
-    assert _ray_compat.upload_line() is None  # not in a Ray Train worker
+    assert _ray_compat.worker_train_context() is None  # not in a Ray Train worker
+    assert _ray_compat.run_checkpoint_config() is None
 
 
-def look_at_the_upload_line(config) -> None:
-    """Reports what the worker's upload line is, and leaves a slow task on Ray Train's
-    upload pool as the train function returns: the pool must be drained before the
-    worker ends (ckval's last reports ride on it)."""
-    import threading
-    import time
+def look_at_the_worker_internals(config) -> None:
+    """What ckval reads of a Ray Train worker: its RunConfig's CheckpointConfig, and the
+    checkpoint ray.train.get_checkpoint() gives once followed (however it was imported)."""
+    from ray.train import get_checkpoint  # bound before ckval follows it
 
-    line = _ray_compat.upload_line()
+    checkpoint_config = _ray_compat.run_checkpoint_config()
+    _ray_compat.follow_resume_checkpoint(lambda held: {"followed": held is None})
+    _ray_compat.follow_resume_checkpoint(lambda held: {"followed": "again"})  # replaces it
     seen = {
-        "line": line is not None,
-        "threads": getattr(line.pool, "_max_workers", None) if line else None,
-        "callbacks_is_list": isinstance(line.callbacks, list) if line else None,
+        "num_to_keep": checkpoint_config.num_to_keep,
+        "attribute": checkpoint_config.checkpoint_score_attribute,
+        "public": ray.train.get_checkpoint(),
+        "imported": get_checkpoint(),
     }
     with open(os.path.join(config["scratch"], "seen.json"), "w") as f:
         json.dump(seen, f)
-    started = threading.Event()
-
-    def slow_then_mark() -> None:
-        started.set()
-        time.sleep(1.0)  # work still under way when the train function returns
-        open(os.path.join(config["scratch"], "drained"), "w").close()
-
-    line.pool.submit(slow_then_mark)
-    started.wait(30)
 
 
 @pytest.mark.ray
-def test_ray_trains_upload_pool_is_one_thread_drained_before_the_worker_ends(
+def test_a_workers_checkpoint_config_is_read_and_its_get_checkpoint_followed(
     ray_session, session_home, unique_run, tmp_path
 ):
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     DataParallelTrainer(
-        look_at_the_upload_line,
+        look_at_the_worker_internals,
         train_loop_config={"scratch": str(tmp_path)},
         scaling_config=ScalingConfig(num_workers=1),
-        run_config=RunConfig(name=unique_run, storage_path=str(session_home / "ray_results")),
+        run_config=RunConfig(
+            name=unique_run,
+            storage_path=str(session_home / "ray_results"),
+            checkpoint_config=CheckpointConfig(num_to_keep=3, checkpoint_score_attribute="acc"),
+        ),
     ).fit()
     seen = json.loads((tmp_path / "seen.json").read_text())
-    assert seen == {"line": True, "threads": _ray_compat.UPLOAD_THREADS, "callbacks_is_list": True}
-    assert (tmp_path / "drained").exists(), "Ray Train ended the worker before its upload pool"
+    assert seen == {
+        "num_to_keep": 3,
+        "attribute": "acc",
+        "public": {"followed": "again"},
+        "imported": {"followed": "again"},
+    }
 
 
 # ----------------------------------------------------------- without the internals
@@ -113,7 +114,7 @@ def report_without_internals(config) -> None:
     import trainer_integration
 
     os.environ[_ray_compat.INTERNALS_VAR] = "0"
-    assert trainer_integration._ray_reports.report_line() is None  # the public fallback
+    assert _ray_compat.run_checkpoint_config() is None  # the public fallbacks only
     context = ray.train.get_context()
     rank = context.get_world_rank()
     for step, mode in enumerate(config["modes"]):
@@ -123,7 +124,7 @@ def report_without_internals(config) -> None:
             copy_may_start = threading.Event()
             failing = step == config.get("fail_at")
             if failing:  # the copy starts once a file report() listed is gone: it fails
-                reporter = trainer_integration._reporters[context.get_experiment_name()]
+                reporter = trainer_integration._client._reporters[context.get_experiment_name()]
                 reporter._thread("store").submit(copy_may_start.wait, 120)
             report({"step": step}, ray.train.Checkpoint.from_directory(directory), **_opts(mode))
             if failing:
@@ -169,8 +170,7 @@ def test_without_ray_internals_a_failed_copy_fails_the_run(
     ray_session, session_home, unique_run, tmp_path
 ):
     # One worker: an ASYNC report must return before its copy for the copy to be made to
-    # fail; without Ray Train's internals a report of several ranks waits for its own copy
-    # (its part of the report's checkpoint, see trainer_integration/_parts.py).
+    # fail.
     with pytest.raises(ray.train.TrainingFailedError, match="No such file.*state.json"):
         _fit_without_internals(
             unique_run, session_home, tmp_path, workers=1, modes=["SYNC", "ASYNC"], fail_at=1
@@ -193,8 +193,8 @@ def test_ckval_imports_with_ray_train_internals_missing(tmp_path):
     code = (
         "import trainer_integration\n"
         "from validation_service import _ray_compat\n"
-        "assert _ray_compat.upload_line() is None\n"
-        "assert _ray_compat.train_context_callback_base() is None\n"
+        "assert _ray_compat.worker_train_context() is None\n"
+        "assert _ray_compat.run_checkpoint_config() is None\n"
         "try:\n"
         "    trainer_integration.RunStatusCallback\n"
         "except ImportError as exc:\n"

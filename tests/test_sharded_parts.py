@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import Future
 
 import pytest
 from ray.train import Checkpoint
 
-from trainer_integration._parts import ReportKey, ShardReporter
+from trainer_integration._parts import ShardReporter
 from trainer_integration._reporter import RunReporter
 from trainer_integration._request import CheckpointUploadMode, PreparedReport
 from validation_service.config import Settings
 from validation_service.errors import CheckpointNotFound
-from validation_service.jobs import AssemblyStatus
+from validation_service.jobs import AssemblyStatus, PartStatus
 from validation_service.manifest import scan_folder
 from validation_service.parts import ShardConflict, assemble, store_part
-from validation_service.registry.assemblies import PartRecord
+from validation_service.registry.assemblies import PartRecord, ReportCall
 from validation_service.storage import CheckpointStorage
 
 
@@ -90,21 +89,40 @@ def test_a_conflict_is_an_error_when_the_setting_says_so_and_nothing_moves(tmp_p
 def test_the_ranks_of_one_report_share_its_slot_and_one_seals_it(registry):
     run_id = registry.ledger.ensure_run("sharded", storage_root="/tmp/x")
     uri_of = lambda index: f"/tmp/x/default/sharded/checkpoint_{index:06d}"  # noqa: E731
-    first = registry.assemblies.join(run_id, "g1-1", uri_of)
-    assert registry.assemblies.join(run_id, "g1-1", uri_of) == first
-    second = registry.assemblies.join(run_id, "g1-2", uri_of)
+    assemblies = registry.assemblies
+    call = {rank: ReportCall("g1", 1, rank, 3) for rank in range(3)}
+    first = assemblies.join(run_id, call[1], uri_of)
+    assert assemblies.join(run_id, call[1], uri_of) == first  # again: the same slot
+    second = assemblies.join(run_id, ReportCall("g1", 2, 1, 3), uri_of)
     assert (first.report_index, second.report_index) == (0, 1)
+    assert assemblies.join(run_id, call[0], uri_of) == first
+    # Rank 2 reports no checkpoint: its progress alone moves on.
+    standing = assemblies.standing(run_id, first.assembly_id, call[0])
+    assert standing.behind == [2] and not standing.settled
+    assemblies.advance(run_id, call[2])
     for rank in (1, 0):
         part = PartRecord(rank, f"{first.uri}/.ckval-part-{rank}", {}, 0, {"rank": rank})
-        registry.assemblies.add_part(first.assembly_id, part)
-        registry.assemblies.add_part(first.assembly_id, part)  # again: nothing changes
-    parts = registry.assemblies.begin_sealing(first.assembly_id)
+        assert assemblies.arrive(first.assembly_id, part)
+        assert assemblies.arrive(first.assembly_id, part)  # again: nothing changes
+    standing = assemblies.standing(run_id, first.assembly_id, call[0])
+    assert standing.settled and [p.rank for p in standing.stored] == [0, 1]
+    parts = assemblies.begin_sealing(first.assembly_id)
     assert [p.rank for p in parts] == [0, 1]
-    assert registry.assemblies.begin_sealing(first.assembly_id) is None  # sealed once
-    registry.assemblies.end(first.assembly_id, AssemblyStatus.COMPLETE)
+    assert assemblies.begin_sealing(first.assembly_id) is None  # sealed once
+    # A part that comes after the seal began is never added to the checkpoint (a rank
+    # released from Ray Train's sync by relax_collectives_on_preemption, say).
+    late = PartRecord(2, f"{first.uri}/.ckval-part-2", {}, 0, {"rank": 2})
+    assert assemblies.join(run_id, call[2], uri_of) == first
+    assert not assemblies.arrive(first.assembly_id, late)
+    assemblies.end(first.assembly_id, AssemblyStatus.COMPLETE)
+    assert not assemblies.arrive(first.assembly_id, late)
+    assert [p.rank for p in assemblies.standing(run_id, first.assembly_id, call[0]).stored] == [
+        0,
+        1,
+    ]
     # A newer worker group's seal ends the older group's open assemblies.
-    later = registry.assemblies.join(run_id, "g2-1", uri_of)
-    assert registry.assemblies.give_up_other_groups(run_id, "g2-") == 1
+    later = assemblies.join(run_id, ReportCall("g2", 1, 0, 3), uri_of)
+    assert assemblies.give_up_other_groups(run_id, "g2-") == 1
     listed = registry.incomplete_checkpoints("sharded")
     # Listed too: the newer group's report, still being stored.
     assert [(a.report_index, a.status) for a in listed] == [
@@ -116,9 +134,28 @@ def test_the_ranks_of_one_report_share_its_slot_and_one_seals_it(registry):
     assert registry.latest_checkpoint("sharded") is None
 
 
+def test_a_failed_part_settles_the_report_for_the_others_to_end_it_incomplete(registry):
+    run_id = registry.ledger.ensure_run("failing", storage_root="/tmp/x")
+    uri_of = lambda index: f"/tmp/x/default/failing/checkpoint_{index:06d}"  # noqa: E731
+    calls = [ReportCall("g", 1, rank, 2) for rank in (0, 1)]
+    slot = registry.assemblies.join(run_id, calls[0], uri_of)
+    registry.assemblies.join(run_id, calls[1], uri_of)
+    stored = PartRecord(0, f"{slot.uri}/.ckval-part-0", {}, 0, {"step": 1})
+    registry.assemblies.arrive(slot.assembly_id, stored)
+    assert not registry.assemblies.standing(run_id, slot.assembly_id, calls[0]).settled
+    failed = PartRecord.failed(1, {"step": 1}, "rank 1: its folder is missing")
+    registry.assemblies.arrive(slot.assembly_id, failed)
+    standing = registry.assemblies.standing(run_id, slot.assembly_id, calls[0])
+    assert standing.settled
+    assert [(p.rank, p.status) for p in standing.failed] == [(1, PartStatus.FAILED)]
+    assert standing.failed[0].detail == "rank 1: its folder is missing"
+
+
 def test_an_open_assembly_of_a_run_that_ended_is_incomplete(registry):
     run_id = registry.ledger.ensure_run("ended", storage_root="/tmp/x")
-    registry.assemblies.join(run_id, "g-1", lambda i: f"/tmp/x/default/ended/checkpoint_{i}")
+    registry.assemblies.join(
+        run_id, ReportCall("g", 1, 0, 2), lambda i: f"/tmp/x/default/ended/checkpoint_{i}"
+    )
     registry.ledger.finish_run("ended", "FAILED")
     assert registry.assemblies.give_up_ended_runs([run_id]) == 1
     (record,) = registry.incomplete_checkpoints("ended")
@@ -134,16 +171,33 @@ def test_a_shard_that_is_no_folder_is_refused_naming_the_rank(tmp_path, what):
     path = tmp_path / "model.pt"
     if what == "a file":
         path.write_bytes(b"x")
-    group: Future = Future()
-    group.set_result("g")
+    call = ReportCall("g", 1, 3, 4)
     named = r"report\(\) on rank 3: .*not a directory.*Pass Checkpoint"
     with pytest.raises(CheckpointNotFound, match=named):
         ShardReporter(reporter, 3).report(
             PreparedReport({"step": 0}, None, CheckpointUploadMode.ASYNC, delete_local=False),
             Checkpoint.from_directory(str(path)),
-            ReportKey(group, 1),
+            call,
         )
-    # Refused before anything was reserved, copied or written (the signing key, made
-    # when the request was checked, is all there is).
-    assert [p.name for p in home.rglob("*") if p.is_file()] == ["secret_key"]
+    # Nothing was copied; the rank's part is recorded as failed, so that the report is
+    # never sealed without it (the other ranks end it INCOMPLETE).
+    reporter.flush(30)
+    run_id = reporter.run_id
+    assert not [p for p in (home / "checkpoints").rglob("*") if p.is_file()]
+    [slot] = [a for a in reporter.registry.incomplete_checkpoints("shards")]
+    assembly = reporter.registry.assemblies
+    standing = assembly.standing(run_id, _assembly_id(reporter, slot.report_index), call)
+    assert [(p.rank, p.status) for p in standing.parts] == [(3, PartStatus.FAILED)]
+    assert "rank 3" in standing.parts[0].detail
     reporter.close()
+
+
+def _assembly_id(reporter, report_index: int) -> int:
+    from sqlalchemy import select
+
+    from validation_service.registry.models import CheckpointAssembly
+
+    with reporter.registry.db.read() as session:
+        return session.execute(
+            select(CheckpointAssembly.id).where(CheckpointAssembly.report_index == report_index)
+        ).scalar_one()

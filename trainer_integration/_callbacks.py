@@ -103,7 +103,7 @@ class CallbackReporter:
         context = train_context()
         if context is None:
             return _started_run()
-        from trainer_integration import ray_train_run_name
+        from trainer_integration._client import ray_train_run_name
 
         return ray_train_run_name(context)
 

@@ -22,6 +22,6 @@ def train_context():
 
 def started_run() -> str | None:
     """The run of ``trainer_integration.start_run()``, which report() outside Ray Train uses."""
-    import trainer_integration
+    from trainer_integration._client import current_run
 
-    return trainer_integration._current_run
+    return current_run()

@@ -1,166 +1,177 @@
-"""Checkpoints that several ranks write (FSDP, DeepSpeed, torch.distributed.checkpoint):
-each rank's report() stores its own folder as one part of the report's checkpoint, and
-the lowest rank seals the checkpoint once every rank's part is stored.
+"""Reports of a worker group of several ranks: each rank's checkpoint folder (if any) is
+its part of the report's checkpoint, sealed once every rank has reported past the call.
 
-The ranks of one report agree on it without waiting for each other: each counts its
+The ranks of one report agree on it without talking to each other: each counts its own
 report() calls (every rank calls report() at the same points, as Ray Train requires),
-and the worker group has a key that rank 0 broadcasts once, on Ray Train's upload
-thread after the first report. Sealing happens on
-Ray Train's upload thread inside the ranks' ``ray.train.report`` of that report, after
-Ray Train's own rank sync: by then every rank has stored its part (each stores it before
-entering that call).
+and the worker group has a key each rank finds by itself (Ray Train's placement group of
+the group's workers; torchrun's run under Ray Train's local mode). Each rank moves its
+progress on in the registry at every call, and a rank with a folder joins the call's
+assembly first (registry/assemblies.py); then it stores its part on the reporter's
+threads, and the lowest rank with a part seals the checkpoint once no rank is behind and
+every joined part is stored, or ends it INCOMPLETE when a part failed. No collective of
+Ray Train or torch.distributed is ever entered: those belong to the training code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import tempfile
 import threading
-import uuid
+import time
 from concurrent.futures import Future
 
 from trainer_integration._delivery import with_backoff
 from trainer_integration._imports import import_once
-from trainer_integration._reporter import _is_local, _uri_of
 from trainer_integration._request import CheckpointUploadMode, PreparedReport
 from validation_service.errors import CkvalError, InvalidInput
 from validation_service.jobs import AssemblyStatus
 from validation_service.manifest import scan_folder
 from validation_service.payloads import signed_request
-from validation_service.request import ValidationRequest
 
-_groups: dict[tuple[str, int], _Calls] = {}  # (run, rank) -> this worker's report() calls
-_groups_lock = threading.Lock()
+# The longest pause between two looks at an assembly that waits for other ranks.
+MAX_SETTLE_PAUSE_S = 0.25
 
-
-class _Calls:
-    """One rank's report() calls in one worker group, and the group's key."""
-
-    def __init__(self):
-        self.group: Future = Future()  # rank 0's key, once the ranks have agreed on it
-        self.count = 0
+_calls: dict[tuple[str, int], int] = {}  # (worker group, rank) -> report() calls so far
+_calls_lock = threading.Lock()
 
 
-@dataclasses.dataclass(frozen=True)
-class ReportKey:
-    """One report() call of a worker group: the same on every rank."""
+def report_call(context):
+    """This rank's next report() call in its worker group (a ReportCall): the same key on
+    every rank of the group for the same call, found without a collective."""
+    ReportCall = import_once("validation_service.registry.assemblies").ReportCall
 
-    group: Future
-    call: int
-
-    def result(self) -> str:
-        """``<worker group>-<call>``; waits for the ranks to agree on the group."""
-        return f"{self.group.result()}-{self.call}"
-
-
-def next_report_key(context, line) -> ReportKey:
-    """The key of this report() call, the same on every rank of the worker group.
-
-    At its first report() each rank takes rank 0's worker group key from a broadcast on
-    Ray Train's upload thread, in line with Ray Train's own collectives of its reports:
-    the training thread never waits for the other ranks (without that thread, another
-    Ray, it does, once).
-    """
-    slot = (context.get_experiment_name(), context.get_world_rank())
-    with _groups_lock:
-        calls = _groups.get(slot)
-        first = calls is None
-        if first:
-            calls = _groups[slot] = _Calls()
-        calls.count += 1
-        key = ReportKey(calls.group, calls.count)
-    if first:
-        if line is None:
-            _agree_on_group(calls.group)
-        else:
-            line.submit(lambda: _agree_on_group(calls.group))
-    return key
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    group = worker_group(context)
+    with _calls_lock:
+        call = _calls[(group, rank)] = _calls.get((group, rank), 0) + 1
+    return ReportCall(group, call, rank, world_size)
 
 
-def _agree_on_group(group: Future) -> None:
-    from ray.train.collective import broadcast_from_rank_zero
+def worker_group(context) -> str:
+    """The key of this rank's worker group, the same on each of its ranks and new for a
+    restarted group: Ray Train runs each group's workers in a placement group of its
+    own; in Ray Train's local mode under torchrun, the launch (_torchrun_launch)."""
+    import ray
 
+    if ray.is_initialized():
+        group = ray.get_runtime_context().get_placement_group_id()
+        if group:
+            return f"pg{group}"
+    launch = _torchrun_launch()
+    if launch is not None:
+        return launch
+    raise InvalidInput(
+        f"report() on rank {context.get_world_rank()} of {context.get_world_size()}: ckval "
+        "cannot tell which processes report together here (no Ray Train worker group, and "
+        "no torchrun launch it can name on every node). Run under Ray Train "
+        "(ScalingConfig(num_workers=N)) or, in Ray Train's local mode, launch the ranks "
+        "with `torchrun --standalone` (one node) or `--rdzv-id=<a new id per launch>`; "
+        "nothing was stored."
+    )
+
+
+def _torchrun_launch() -> str | None:
+    """One torchrun launch, named alike in each of its processes: its rendezvous id and
+    restart count when the launch named one (``--rdzv-id``; ``--standalone`` makes one
+    up), else, on one node, the torchrun agent that started every rank (its pid and
+    start time: a later launch of the same command is another). None outside torchrun,
+    or for several nodes without a rendezvous id."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return None
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if run_id != "none":
+        return f"torchrun-{run_id}-{restart}"[:120]
+    if os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
+        return None
+    agent = os.getppid()
     try:
-        group.set_result(broadcast_from_rank_zero(uuid.uuid4().hex[:16]))
-    except BaseException as exc:
-        group.set_exception(exc)
-        raise
+        import psutil
+
+        started = int(psutil.Process(agent).create_time() * 1000)
+    except Exception:  # noqa: BLE001 - the agent's pid alone, then
+        started = 0
+    return f"torchrun-agent-{agent}-{started}-{restart}"
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardReport:
-    """One rank's part of one report, on its way into storage and the registry."""
+class Sealed:
+    """The outcome of one report for the rank that tells Ray Train of it: the report's
+    index and folder, and whether it became a checkpoint (or ended INCOMPLETE)."""
+
+    report_index: int
+    uri: str
+    complete: bool
+    detail: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PartReport:
+    """One rank's part of one report on its way: ``sealed`` gives a Sealed to the rank
+    that seals it, None to the others."""
 
     rank: int
-    key: ReportKey
-    joined: Future  # of the Slot: report index, checkpoint URI, assembly id
-    registered: Future  # of the Slot, once this rank's part is stored and recorded
-    mode: CheckpointUploadMode
-    job: ValidationRequest | None
-    location: str | None  # the folder a NO_UPLOAD part is registered in place
-
-    @property
-    def uri(self) -> str:
-        """Where the checkpoint is (once the part is recorded)."""
-        return self.location or self.registered.result().uri
+    sealed: Future
 
 
 class ShardReporter:
-    """Stores one rank's parts of a run's checkpoints and seals those it is lowest in."""
+    """Stores one rank's parts of a run's reports and seals those it is lowest in."""
 
     def __init__(self, reporter, rank: int):
         self.reporter = reporter
         self.rank = rank
 
-    def report(self, report: PreparedReport, checkpoint, key: ReportKey) -> ShardReport:
-        """Starts storing this rank's folder as its part of the report ``key`` (with the
-        report's metrics, validation request and upload mode).
+    def no_part(self, call) -> None:
+        """A report() call without a checkpoint: the rank's progress moves on, in the
+        background and in report order (a later part of this rank waits for it)."""
+        reporter = self.reporter
+        future = reporter.submit("reserve", self._advance, call)
+        reporter.remember(future, future)
 
-        Returns once the folder is listed (ASYNC), once this rank's copy is stored
-        (SYNC; with remote storage once its part is recorded). NO_UPLOAD registers no
-        copy: the part is recorded in the background. A folder that cannot be stored is
-        refused first, naming the rank.
+    def report(self, report: PreparedReport, checkpoint, call) -> PartReport:
+        """Starts storing this rank's folder as its part of the report ``call``.
+
+        Returns once the folder is listed (ASYNC) or this rank's copy is stored (SYNC;
+        with remote storage once its part is recorded). NO_UPLOAD registers no copy. A
+        folder that cannot be stored is refused here, naming the rank, and its part is
+        recorded as failed: the report never becomes a checkpoint.
         """
-        reporter, job, mode = self.reporter, report.job, report.mode
+        reporter, mode = self.reporter, report.mode
         reporter.note_trackers()
-        signed_request(job, reporter.trust)  # a reference not allowed: refused before any copy
+        signed_request(report.job, reporter.trust)  # a reference not allowed: refused first
         reporter.raise_undelivered()
         location = _path_of(checkpoint) if mode is CheckpointUploadMode.NO_UPLOAD else None
-        source = None if location is not None else self._scan(checkpoint)
+        try:
+            source = None if location is not None else self._scan(checkpoint)
+        except CkvalError as exc:
+            self._fail(call, report.metrics, str(exc))
+            raise
         staged = None
         if mode is CheckpointUploadMode.SYNC and source is not None and reporter.storage.is_local:
             staged = reporter.storage.stage(source, reporter.settings.namespace, reporter.run)
-        joined = reporter.submit("reserve", self._join, key)
-        registered = reporter.submit(
+        joined = reporter.submit("reserve", self._join, call)
+        stored = reporter.submit(
             "store", self._store, joined, checkpoint, source, staged, location, report.metrics
         )
+        sealed = reporter.submit("seal", self._seal_when_settled, stored, call, report)
         if report.delete_local and location is None and _is_local(checkpoint):
-            registered.add_done_callback(lambda f: _drop_if_stored(f, checkpoint.path))
-        reporter.remember(joined, registered)
+            stored.add_done_callback(lambda f: _drop_if_stored(f, checkpoint.path))
+        reporter.remember(joined, sealed)
         if mode is CheckpointUploadMode.SYNC and staged is None:
-            registered.result()  # remote storage: stored when report() returns
-        return ShardReport(self.rank, key, joined, registered, mode, job, location)
+            stored.result()  # remote storage: stored when report() returns
+        return PartReport(self.rank, sealed)
 
-    def _scan(self, checkpoint):
-        if not _is_local(checkpoint):
-            return None  # a remote folder: downloaded by the storing thread
-        try:
-            return scan_folder(checkpoint.path)
-        except CkvalError as exc:  # its own type, saying which rank's folder it is
-            exc.args = (
-                f"report() on rank {self.rank}: {exc} Pass Checkpoint.from_directory(d) of a "
-                "folder this rank wrote and can read; nothing of this report was stored.",
-            )
-            raise
-        except OSError as exc:
-            raise InvalidInput(
-                f"report() on rank {self.rank}: its checkpoint folder {checkpoint.path!r} "
-                f"cannot be read ({exc}). Pass Checkpoint.from_directory(d) of a folder "
-                "this rank wrote and can read; nothing of this report was stored."
-            ) from None
+    # ------------------------------------------------------------- the threads
+    def _advance(self, call) -> None:
+        reporter = self.reporter
+        with_backoff(
+            lambda: reporter.writer.assemblies.advance(reporter.run_id, call),
+            timeout_s=reporter.settings.delivery_timeout_s,
+        )
 
-    def _join(self, key: ReportKey):
+    def _join(self, call):
         reporter = self.reporter
         storage, settings = reporter.storage, reporter.settings
 
@@ -170,11 +181,23 @@ class ShardReporter:
             )
             return storage.uri_for(path)
 
-        group_key = key.result()
         return with_backoff(
-            lambda: reporter.writer.assemblies.join(reporter.run_id, group_key, uri_of),
+            lambda: reporter.writer.assemblies.join(reporter.run_id, call, uri_of),
             timeout_s=settings.delivery_timeout_s,
         )
+
+    def _fail(self, call, metrics, detail: str) -> None:
+        """Records this rank's part of ``call`` as failed, in the background."""
+        PartRecord = import_once("validation_service.registry.assemblies").PartRecord
+        reporter = self.reporter
+        joined = reporter.submit("reserve", self._join, call)
+
+        def record() -> None:
+            part = PartRecord.failed(self.rank, metrics, f"rank {self.rank}: {detail}")
+            reporter.writer.assemblies.arrive(joined.result().assembly_id, part)
+
+        future = reporter.submit("store", record)
+        reporter.remember(joined, future)
 
     def _store(self, joined, checkpoint, source, staged, location, metrics):
         # The slot first: it was joined through the registry that the set-up thread
@@ -190,14 +213,16 @@ class ShardReporter:
         else:
             try:
                 path, files = self._store_files(storage, slot, checkpoint, source, staged)
-            except BaseException:
+            except BaseException as exc:
                 if staged is not None:
                     storage.discard(staged)
+                failed = PartRecord.failed(self.rank, metrics, f"rank {self.rank}: {exc}")
+                reporter.writer.assemblies.arrive(slot.assembly_id, failed)
                 raise
             size = sum(entry["size"] for entry in files.values())
             part = PartRecord(self.rank, storage.uri_for(path), files, size, metrics)
         with_backoff(
-            lambda: reporter.writer.assemblies.add_part(slot.assembly_id, part),
+            lambda: reporter.writer.assemblies.arrive(slot.assembly_id, part),
             timeout_s=reporter.settings.delivery_timeout_s,
         )
         return slot
@@ -212,34 +237,62 @@ class ShardReporter:
             local = checkpoint.to_directory(tmp)
             return store_part(storage, target, self.rank, scan_folder(local))
 
-    def seal(self, shard: ShardReport) -> bool:
-        """Makes the report's parts one checkpoint and registers it with its validation,
-        if this rank is the lowest that stored a part; call it once every rank that
-        reports in this step has stored its part. Returns whether this rank sealed it."""
+    def _seal_when_settled(self, stored: Future, call, report: PreparedReport) -> Sealed | None:
+        """Once every rank reported past ``call`` and every joined part arrived: seals the
+        checkpoint if this rank is the lowest with a stored part, or ends it INCOMPLETE
+        when a part failed. Returns the outcome to the rank that tells Ray Train of it
+        (the lowest with a stored part), None to the others."""
+        slot = stored.result()
+        standing = self._settled(slot, call)
+        stored_parts = standing.stored
+        if not stored_parts or stored_parts[0].rank != self.rank:
+            return None  # another rank seals, and tells Ray Train
+        if standing.status is not AssemblyStatus.ASSEMBLING:
+            return Sealed(slot.report_index, slot.uri, False, "the report ended without it")
+        if standing.failed or standing.behind:
+            detail = _incomplete_reason(standing, call)
+            self.reporter.writer.assemblies.end(slot.assembly_id, AssemblyStatus.INCOMPLETE, detail)
+            return Sealed(slot.report_index, slot.uri, False, detail)
+        # The checkpoint keeps the metrics of the lowest rank that reported them.
+        metrics = standing.parts[0].reported_metrics if standing.parts else report.metrics
+        return self._seal(slot, call, report.mode, report.job, metrics)
+
+    def _settled(self, slot, call):
+        """The assembly once settled, looked at with growing pauses (other ranks' rows
+        arrive within milliseconds of their report() calls); given up after the delivery
+        timeout, when a rank never reported past the call."""
+        assemblies = self.reporter.writer.assemblies
+        deadline = time.monotonic() + self.reporter.settings.delivery_timeout_s
+        pause = 0.005
+        while True:
+            standing = assemblies.standing(self.reporter.run_id, slot.assembly_id, call)
+            if standing.settled or standing.status is not AssemblyStatus.ASSEMBLING:
+                return standing
+            if time.monotonic() + pause > deadline:
+                return standing  # a rank never came: the caller ends it INCOMPLETE
+            time.sleep(pause)
+            pause = min(pause * 2, MAX_SETTLE_PAUSE_S)
+
+    def _seal(self, slot, call, mode, job, metrics) -> Sealed:
+        """Makes the parts one checkpoint and registers it with its validation."""
         parts_module = import_once("validation_service.parts")
         adopt_shared, assemble = parts_module.adopt_shared, parts_module.assemble
 
         reporter = self.reporter
-        slot = shard.registered.result()
         assemblies = reporter.writer.assemblies
-        parts = assemblies.parts(slot.assembly_id)
-        if not parts or parts[0].rank != self.rank:
-            return False
         parts = assemblies.begin_sealing(slot.assembly_id)
         if parts is None:
-            return False
+            return Sealed(slot.report_index, slot.uri, False, "another rank ended it")
         storage, settings = reporter.storage, reporter.settings
         try:
-            if shard.mode is CheckpointUploadMode.NO_UPLOAD:
+            if mode is CheckpointUploadMode.NO_UPLOAD:
                 persisted = adopt_shared(storage, parts, settings.namespace, reporter.run)
                 conflicts = []
             else:
                 target = storage.path_of(slot.uri)
                 persisted, conflicts = assemble(storage, target, parts, settings.shard_conflicts)
             with_backoff(
-                lambda: reporter.register(
-                    slot.report_index, persisted, parts[0].reported_metrics, shard.job
-                ),
+                lambda: reporter.register(slot.report_index, persisted, metrics, job),
                 timeout_s=settings.delivery_timeout_s,
             )
         except BaseException as exc:
@@ -247,8 +300,37 @@ class ShardReporter:
             raise
         detail = "; ".join(str(c) for c in conflicts) or None
         assemblies.end(slot.assembly_id, AssemblyStatus.COMPLETE, detail)
-        assemblies.give_up_other_groups(reporter.run_id, f"{shard.key.group.result()}-")
-        return True
+        assemblies.give_up_other_groups(reporter.run_id, f"{call.worker_group}-")
+        return Sealed(slot.report_index, persisted.uri, True, detail)
+
+    def _scan(self, checkpoint):
+        if not _is_local(checkpoint):
+            return None  # a remote folder: downloaded by the storing thread
+        try:
+            return scan_folder(checkpoint.path)
+        except CkvalError as exc:  # its own type, saying which rank's folder it is
+            exc.args = (
+                f"report() on rank {self.rank}: {exc} Pass Checkpoint.from_directory(d) of a "
+                "folder this rank wrote and can read; this report's checkpoint is left "
+                "INCOMPLETE on every rank.",
+            )
+            raise
+        except OSError as exc:
+            raise InvalidInput(
+                f"report() on rank {self.rank}: its checkpoint folder {checkpoint.path!r} "
+                f"cannot be read ({exc}). Pass Checkpoint.from_directory(d) of a folder "
+                "this rank wrote and can read; this report's checkpoint is left INCOMPLETE "
+                "on every rank."
+            ) from None
+
+
+def _incomplete_reason(standing, call) -> str:
+    if standing.failed:
+        return "a rank's part failed: " + "; ".join(p.detail or "" for p in standing.failed)
+    return (
+        f"rank(s) {standing.behind} never reported call {call.call} of the worker group "
+        "within CKVAL_DELIVERY_TIMEOUT_S"
+    )
 
 
 def _drop_if_stored(stored: Future, path: str) -> None:
@@ -258,5 +340,13 @@ def _drop_if_stored(stored: Future, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _is_local(checkpoint) -> bool:
+    import pyarrow.fs
+
+    return isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
+
+
 def _path_of(checkpoint) -> str:
-    return checkpoint.path if _is_local(checkpoint) else _uri_of(checkpoint)
+    if _is_local(checkpoint):
+        return checkpoint.path
+    return f"{checkpoint.filesystem.type_name}://{checkpoint.path}"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import logging
 import shutil
 import tempfile
@@ -56,11 +55,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-POINTER_FILE = "ckval_checkpoint.json"
-
 # The reporter's threads: the registry side opened once; reservations and copies each in
 # report order (a copy never waits behind a retried delivery); registrations.
-_THREADS = {"set-up": 1, "reserve": 1, "store": 1, "report": 2}
+_THREADS = {"set-up": 1, "reserve": 1, "store": 1, "seal": 1, "report": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,18 +227,18 @@ class RunReporter:
                     self._run_id = ledger.ensure_run(self.run, storage_root=root, append=append)
         return self._run_id
 
-    def prepare(self) -> None:
+    def prepare(self, *, with_service: bool = True) -> None:
         """Gets ready for a first report while training starts; writes nothing.
 
-        Opens the registry writer and finds the service, starting it if none runs (the
-        embedded default), so that its cold start overlaps training instead of following
-        the first report; the service warms worker processes for the run's first
-        validations meanwhile.
+        Opens the registry writer and, ``with_service``, finds the service, starting it
+        if none runs (the embedded default), so that its cold start overlaps training
+        instead of following the first report; the service warms worker processes for
+        the run's first validations meanwhile.
         """
         for name in _THREADS:
             self._thread(name).submit(lambda: None)
         self._registry_side()
-        if self._link is not None:
+        if with_service and self._link is not None:
             self._link.warm_up()
 
     # -------------------------------------------------------------- reporting
@@ -542,11 +539,6 @@ class RunReporter:
         """Tells the service there is new work (best effort: it also polls)."""
         if self._link is not None:
             self._link.nudge()
-
-
-def pointer_bytes(run: str, index: int, uri: str) -> bytes:
-    """The content of the pointer checkpoint that Ray Train keeps in place of the stored one."""
-    return json.dumps({"run": run, "report_index": index, "uri": uri}).encode()
 
 
 def _is_local(checkpoint) -> bool:

@@ -70,9 +70,11 @@ class ServiceLink:
         """Asks the service for worker processes for a run's first validations, with
         the frameworks this process imported (the service keeps those it allows); not
         waited for."""
-        from validation_service.executors.ray_task import WARM_UP_MODULES
-
-        self.handle().warm_up(name for name in WARM_UP_MODULES if name in sys.modules)
+        # The executor's modules import SQLAlchemy: through import_once, as every import
+        # of it on a reporter's threads.
+        handle = self.handle()
+        modules = import_once("validation_service.executors.ray_task").WARM_UP_MODULES
+        handle.warm_up(name for name in modules if name in sys.modules)
 
     def nudge(self) -> None:
         """Tells the service there is new work (best effort: it also polls).

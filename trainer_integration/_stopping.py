@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 # the service judges a policy as soon as a validation ends, so a slower look only adds lag
 # (one indexed read of a few rows; four a second per watching process).
 MAX_WATCH_INTERVAL_S = 0.25
-# The longest wait between two looks while the registry cannot be read.
-MAX_BACKOFF_S = 60.0
+# The longest wait between two looks while the registry cannot be read: a decision
+# recorded meanwhile reaches training within this of the registry answering again.
+MAX_BACKOFF_S = 2.0
 
 
 class StopWatcher:
@@ -71,9 +72,9 @@ class StopWatcher:
     def look(self) -> None:
         """One read of the run's decision; an overridden decision reads as not stopped."""
         if self._reporter is None:
-            import trainer_integration
+            from trainer_integration._client import run_reporter
 
-            self._reporter = trainer_integration._reporter(self.run)
+            self._reporter = run_reporter(self.run)
             self.follow(self._reporter)
         decision = self._reporter.registry.stop_decision(self.run)
         self._stopped = decision is not None and decision.stopped
@@ -89,14 +90,26 @@ class StopWatcher:
         while not self._closed.is_set():
             try:
                 self.look()
+                if failures:
+                    logger.warning("should_stop(): run %r's stop decision is read again", self.run)
                 failures = 0
                 interval = min(self._reporter.settings.poll_interval_s, MAX_WATCH_INTERVAL_S)
-            except Exception:  # noqa: BLE001 - the next look tries again; training goes on
+            except Exception as exc:  # noqa: BLE001 - the next look tries again; training goes on
+                if failures == 0:
+                    # Said once until a look succeeds: should_stop() keeps its last
+                    # answer meanwhile, which is no decision if it never read one.
+                    logger.warning(
+                        "should_stop() cannot read run %r's stop decision from the registry "
+                        "(%s: %s); it answers %s until it can, and tries again every %.0f s",
+                        self.run,
+                        type(exc).__name__,
+                        exc,
+                        self._stopped,
+                        MAX_BACKOFF_S,
+                    )
                 logger.debug("reading the stop decision of run %r failed", self.run, exc_info=True)
-                # An unreachable registry is asked again less and less often (2 s, 4 s,
-                # ... 60 s), and the last answer stays.
                 failures += 1
-                interval = min(2.0**failures, MAX_BACKOFF_S)
+                interval = min(0.25 * 2.0**failures, MAX_BACKOFF_S)
             self._wake.wait(interval)
             self._wake.clear()
 
@@ -152,9 +165,7 @@ def should_stop(run: str | None = None) -> bool:
     ``broadcast_object_list``; in other Ray Train runs (TensorflowTrainer, or no process
     group) through ``ray.train.collective.broadcast_from_rank_zero``. That is a
     collective: **every rank must call should_stop() at the same point of its loop**
-    (e.g. right after each report()), or the ranks wait for each other. Ray's broadcast
-    also waits for the reports queued to Ray Train before it (they are Ray Train
-    collectives too, which every rank must enter in the same order).
+    (e.g. right after each report()), or the ranks wait for each other.
     """
     context = _ray_train_context()
     if context is not None:
@@ -172,7 +183,7 @@ def should_stop(run: str | None = None) -> bool:
 
 
 def _in_ray_train(context, run: str | None) -> bool:
-    from trainer_integration import ray_train_run_name
+    from trainer_integration._client import ray_train_run_name
 
     name = ray_train_run_name(context)
     if run is not None and run != name:
@@ -186,20 +197,12 @@ def _in_ray_train(context, run: str | None) -> bool:
         return bool(answer)
     if _torch_process_group() == (rank, world_size):
         # TorchTrainer (also Lightning's and Transformers' DDP): the ranks' own process
-        # group carries the answer, apart from Ray Train's collectives, so nothing waits
-        # for the reports still on their way to Ray Train.
+        # group carries the answer.
         return _torch_broadcast(answer)
     from ray.train.collective import broadcast_from_rank_zero
 
-    from trainer_integration._ray_reports import report_line
-
-    line = report_line()
-    if line is not None:
-        # ckval's reports reach Ray Train on its upload thread, and each is a Ray Train
-        # collective (the ranks agree on a folder name): a broadcast entered meanwhile
-        # could be paired with another rank's report. Enter it after them, as a direct
-        # ray.train.report does.
-        line.wait_idle()
+    # On the training thread, where the training code asks: in program order with its
+    # reports and its own collectives, on every rank alike.
     return bool(broadcast_from_rank_zero(answer))
 
 

@@ -1,11 +1,11 @@
 """Every name ckval takes from Ray's undocumented modules, in one place, with what ckval
 does on a Ray release that lacks it.
 
-ckval supports Ray 2.51 to 2.60; everything else it calls is Ray's public API. The names
-in ``INTERNALS`` were read in the wheels of 2.51.0, 2.52.1, 2.53.0, 2.54.0, 2.55.1,
-2.56.1, 2.57.0 and 2.60.0 (DataConfig's in 2.51.2, 2.52.1, 2.53.0, 2.54.1, 2.55.1, 2.56.1,
-2.57.1 and 2.60.0). ``tests/test_ray_compat.py`` checks each one, and each
-assumption (the upload pool's single thread, the pool drained before a worker ends),
+ckval supports Ray 2.51 to 2.60; everything else it calls is Ray's public API (report()
+hands Ray Train each report through ``ray.train.report`` itself, on the training
+thread). The names in ``INTERNALS`` were read in the wheels of 2.51.0, 2.52.1, 2.53.0,
+2.54.0, 2.55.1, 2.56.1, 2.57.0 and 2.60.0 (DataConfig's in 2.51.2, 2.52.1, 2.53.0,
+2.54.1, 2.55.1, 2.56.1, 2.57.1 and 2.60.0). ``tests/test_ray_compat.py`` checks each one
 against the installed Ray, so that an incompatible release fails one clear test rather
 than a training run.
 
@@ -15,8 +15,8 @@ between releases (``PUBLIC_DIFFERENCES``), each with the spelling ckval uses whe
 missing; ckval picks by what the installed Ray has, never by its version number.
 
 ``CKVAL_RAY_INTERNALS=0`` in the environment (the driver's reaches Ray workers) turns
-the report path's internals off, so that the public fallbacks run: for a Ray release
-where an internal behaves differently than its name promises.
+the workers' internals off, so that the public fallbacks run: for a Ray release where an
+internal behaves differently than its name promises.
 """
 
 from __future__ import annotations
@@ -54,28 +54,21 @@ INTERNALS = (
         _CONTEXT,
         "get_train_context",
         "2.51-2.60",
-        "report() calls ray.train.report on the training thread (ASYNC, public API)",
+        "the public ray.train.get_context() finds the worker's context (importing Ray Tune)",
     ),
     Internal(
         _CONTEXT,
-        "TrainContext.checkpoint_upload_threadpool",
-        "2.51-2.60 (MAX_CHECKPOINT_UPLOAD_THREADS = 1)",
-        "the same; a pool of more than one thread would reorder reports: not used",
-    ),
-    Internal(_CONTEXT, "TrainContext.execution_context", "2.51-2.60", "the same"),
-    Internal(
-        "ray.train.v2._internal.execution.worker_group.thread_runner",
-        "ThreadRunner.get_exception_queue",
+        "TrainContext.get_checkpoint",
         "2.51-2.60",
-        "the same",
+        "a restarted worker's ray.train.get_checkpoint gives the model files only when "
+        "called as ray.train.get_checkpoint() (the public function is wrapped instead)",
     ),
-    Internal(_CONTEXT, "ExecutionContext.train_context_callbacks", "2.51-2.60", "the same"),
-    Internal(_CALLBACK, "TrainContextCallback.on_report", "2.51-2.60", "the same"),
     Internal(
-        "ray.train.v2._internal.util",
-        "construct_user_exception_with_traceback",
-        "2.51-2.60",
-        "a failed report's exception fails the run as it is",
+        _CONTEXT,
+        "TrainContext.train_run_context",
+        "2.51-2.60 (its run_config.checkpoint_config)",
+        "CheckpointConfig(num_to_keep=...) is not applied to ckval's copies: set a "
+        "retention policy (Registry.set_retention) instead",
     ),
     Internal(
         _CALLBACK,
@@ -112,46 +105,10 @@ INTERNALS = (
     ),
 )
 
-# Ray Train's upload pool has this many threads in every supported release; ckval keeps
-# its reports in order only on a single thread.
-UPLOAD_THREADS = 1
-
 
 def internals_enabled() -> bool:
     """False when CKVAL_RAY_INTERNALS=0 (or false/off/no) asks for the public fallbacks."""
     return os.environ.get(INTERNALS_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-@dataclasses.dataclass(frozen=True)
-class UploadLine:
-    """The parts of one Ray Train worker that ckval hands its reports through."""
-
-    context: Any  # the worker's train context: one line per context
-    pool: Any  # Ray Train's checkpoint upload ThreadPoolExecutor (one thread)
-    exceptions: Any  # the train function's exception queue: a put fails the run
-    callbacks: list  # the train context's callbacks (on_report wraps ray.train.report)
-
-
-def upload_line() -> UploadLine | None:
-    """This Ray Train worker's upload line, or None: outside a Ray Train worker, in Ray
-    Train's local mode, with the internals turned off, or where they differ."""
-    if not internals_enabled():
-        return None
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
-
-        context = get_train_context()
-        pool = context.checkpoint_upload_threadpool
-        execution = context.execution_context
-        exceptions = execution.training_thread_runner.get_exception_queue()
-        callbacks = execution.train_context_callbacks
-        if getattr(pool, "_max_workers", None) != UPLOAD_THREADS or not hasattr(exceptions, "put"):
-            return None
-        if train_context_callback_base() is None:
-            return None
-    except Exception:  # noqa: BLE001 - another Ray version, or not a Ray Train worker
-        return None
-    return UploadLine(context, pool, exceptions, callbacks)
 
 
 def worker_train_context() -> Any | None:
@@ -174,23 +131,30 @@ def worker_train_context() -> Any | None:
         return None
 
 
-def train_context_callback_base() -> type | None:
-    """Ray Train's TrainContextCallback (its ``on_report`` wraps ``ray.train.report``)."""
-    try:
-        from ray.train.v2._internal.execution.callback import TrainContextCallback
-    except ImportError:
-        return None
-    return TrainContextCallback if hasattr(TrainContextCallback, "on_report") else None
+def follow_resume_checkpoint(follow: Callable[[Any], Any]) -> None:
+    """Makes this Ray Train worker's ``ray.train.get_checkpoint()`` return
+    ``follow(checkpoint)`` of the checkpoint Ray Train holds (a later call replaces the
+    follow): on the worker's train context, whatever name the training code imported
+    ``get_checkpoint`` by, or, with the internals turned off or different, on the public
+    ``ray.train.get_checkpoint``."""
+    context = worker_train_context() if internals_enabled() else None
+    if context is not None and callable(getattr(context, "get_checkpoint", None)):
+        context.get_checkpoint = _following(context.get_checkpoint, follow)
+        return
+    import ray.train
+
+    ray.train.get_checkpoint = _following(ray.train.get_checkpoint, follow)
 
 
-def user_exception(exc: BaseException) -> BaseException:
-    """The exception as Ray Train raises a train function's own: with its traceback."""
-    try:
-        from ray.train.v2._internal.util import construct_user_exception_with_traceback
+def _following(held: Callable[[], Any], follow: Callable[[Any], Any]) -> Callable[[], Any]:
+    original = getattr(held, "original", held)
 
-        return construct_user_exception_with_traceback(exc)
-    except Exception:  # noqa: BLE001 - raised as it is
-        return exc
+    def get_checkpoint():
+        return follow(original())
+
+    get_checkpoint.original = original
+    get_checkpoint.__doc__ = original.__doc__
+    return get_checkpoint
 
 
 CONTROLLER_CALLBACK_HOOKS = (
@@ -198,6 +162,16 @@ CONTROLLER_CALLBACK_HOOKS = (
     "after_controller_finish",
     "after_controller_state_update",
 )
+
+
+def run_checkpoint_config() -> Any | None:
+    """This Ray Train worker's ``RunConfig(checkpoint_config=...)``, or None where it
+    cannot be read (the internals turned off, another Ray)."""
+    context = worker_train_context() if internals_enabled() else None
+    try:
+        return context.train_run_context.run_config.checkpoint_config
+    except AttributeError:
+        return None
 
 
 def controller_callback_base() -> type:

@@ -75,6 +75,16 @@ class AssemblyStatus(str, enum.Enum):
     INCOMPLETE = "INCOMPLETE"
 
 
+class PartStatus(str, enum.Enum):
+    """One rank's part of a report of several ranks (registry/assemblies.py): PENDING
+    from its join until it is STORED, or FAILED (its folder could not be stored: the
+    report stays INCOMPLETE)."""
+
+    PENDING = "pending"
+    STORED = "stored"
+    FAILED = "failed"
+
+
 class MetricSource(str, enum.Enum):
     REPORTED = "reported"
     VALIDATED = "validated"

@@ -44,6 +44,9 @@ from validation_service.manifest import (
 from validation_service.names import check_name
 from validation_service.secrets import mask_url
 
+# The id file at a local storage's root (CheckpointStorage.identity).
+STORAGE_ID_FILE = ".ckval-storage-id"
+
 # A copy being made in a run's folder (storage.stage): never a checkpoint of its own.
 STAGING_PREFIX = ".staging-"
 
@@ -122,6 +125,23 @@ class CheckpointStorage:
 
     def __repr__(self) -> str:
         return f"CheckpointStorage({mask_url(self.root_uri)!r})"
+
+    def identity(self) -> str:
+        """What tells this storage from another: a remote URI names one place wherever it
+        is read from; a local folder gets an id file (``.ckval-storage-id``) at its root,
+        made once, so that one shared folder seen from two machines reads the same id and
+        two machines' own folders of the same path do not."""
+        if not self.is_local:
+            return mask_url(f"{self.fs.unstrip_protocol(self.root)}")
+        path = os.path.join(self.root, STORAGE_ID_FILE)
+        make_private_folders(self.root)
+        try:
+            with open(path, "x") as f:  # exclusive: one id, whoever comes first
+                f.write(uuid.uuid4().hex)
+        except FileExistsError:
+            pass
+        with open(path) as f:
+            return f.read().strip()
 
     # ------------------------------------------------------------------ paths
     def checkpoint_path(

@@ -98,14 +98,32 @@ class RayTaskExecutor:
 
     def warm_up(self, count: int, modules: Iterable[str]) -> list[ray.ObjectRef]:
         """Starts up to ``count`` worker processes for CPU validations, importing the
-        named frameworks (those in WARM_UP_MODULES only) and their COMPANIONS, so that a
-        run's first validations do not pay for a process start and framework imports.
+        named frameworks (those in WARM_UP_MODULES only), so that a run's first
+        validations do not pay for a process start and framework imports. Their
+        COMPANIONS are left to keep_warm(): as a run starts, every second of importing
+        is taken from training.
 
         Only CPUs free now are used: a warm-up never waits for resources, never holds
         any back from a validation for long, and never makes an autoscaler add a node.
         """
         free = int(ray.available_resources().get("CPU", 0))
-        return self._warm_up(min(count, free), modules)
+        return self._warm_up(min(count, free), modules, companions=False)
+
+    @staticmethod
+    def ended(refs: list[ray.ObjectRef]) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
+        """The warm-up tasks of ``refs`` that ended, and those under way."""
+        return ray.wait(refs, num_returns=len(refs), timeout=0)
+
+    @staticmethod
+    def warm_pids(ended: list[ray.ObjectRef]) -> list[int]:
+        """The worker processes that ended warm-ups ran in (those that did not fail)."""
+        pids = []
+        for ref in ended:
+            try:
+                pids.append(ray.get(ref, timeout=0)[0])
+            except Exception:  # noqa: BLE001 - a failed warm-up warmed nothing
+                continue
+        return pids
 
     def keep_warm(self, count: int, modules: Iterable[str]) -> list[ray.ObjectRef]:
         """warm_up() on this process's node, only while no CPU of the cluster is in use."""
@@ -120,9 +138,12 @@ class RayTaskExecutor:
         count = min(count, int(node["Resources"].get("CPU", 0)))
         return self._warm_up(count, modules, scheduling_strategy=here)
 
-    def _warm_up(self, count: int, modules: Iterable[str], **options) -> list[ray.ObjectRef]:
+    def _warm_up(
+        self, count: int, modules: Iterable[str], *, companions: bool = True, **options
+    ) -> list[ray.ObjectRef]:
         named = set(modules)
-        named.update(*(COMPANIONS.get(name, ()) for name in list(named)))
+        if companions:
+            named.update(*(COMPANIONS.get(name, ()) for name in list(named)))
         wanted = tuple(name for name in WARM_UP_MODULES if name in named)
         return [
             _warm_up_task.options(name="ckval-warm-up", num_cpus=1, **options).remote(wanted)

@@ -1,14 +1,18 @@
 """Checkpoints written by several ranks: the assembly of one report's parts, and when it
 may become a checkpoint.
 
-Every rank of a sharded save (FSDP, DeepSpeed, torch.distributed.checkpoint) reports its
-own folder. The ranks of one report share a group key (their worker group and the
-report's call number); the first to ask reserves the report index, and each stores its
-files as one part of that index's folder. Once every rank of the report has stored its
-part, the lowest rank seals the assembly: the parts become one folder, registered as
-one checkpoint with its validation. Until then nothing lists, ranks or validates it; an
-assembly whose part never comes (its rank died) ends INCOMPLETE, and retention removes
-its files.
+In a worker group of several ranks every report() call has a key, the same on each rank
+(the worker group and the call's number), and each rank moves its progress on at each
+call, with or without a checkpoint. A rank that reports a folder (a sharded save: FSDP,
+DeepSpeed, torch.distributed.checkpoint; or rank 0's whole checkpoint) joins the call's
+assembly first, in the same transaction: the first to join reserves the report index,
+and each stores its files into that index's folder as its part. Once every rank of the
+worker group has reported past the call and every rank that joined has stored its part,
+the lowest rank with a part seals the assembly: the parts become one folder, registered
+as one checkpoint with its validation. Until then nothing lists, ranks or validates it.
+An assembly with a failed part, or whose rank never comes (it died), ends INCOMPLETE,
+and retention removes its files. Nothing here waits for another rank: ranks learn of
+each other through these rows, never through a collective.
 """
 
 from __future__ import annotations
@@ -23,10 +27,16 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from validation_service.jobs import AssemblyStatus, RunStatus
+from validation_service.jobs import AssemblyStatus, PartStatus, RunStatus
 from validation_service.registry.catalog import NamespaceRoom
 from validation_service.registry.database import retry_on_disconnect
-from validation_service.registry.models import CheckpointAssembly, CheckpointPart, Run, utcnow
+from validation_service.registry.models import (
+    CheckpointAssembly,
+    CheckpointPart,
+    ReportProgress,
+    Run,
+    utcnow,
+)
 
 _OPEN = (AssemblyStatus.ASSEMBLING.value, AssemblyStatus.SEALING.value)
 
@@ -40,15 +50,62 @@ class Slot(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class ReportCall:
+    """One report() call of one rank of a worker group."""
+
+    worker_group: str  # the same on every rank of the group, new for a restarted group
+    call: int  # 1 for the rank's first report() call in this group
+    rank: int
+    world_size: int
+
+    @property
+    def group_key(self) -> str:
+        """The key of this call's assembly: the same on every rank."""
+        return f"{self.worker_group}-{self.call}"
+
+
+@dataclasses.dataclass(frozen=True)
 class PartRecord:
-    """One rank's stored part: its files (relative path -> size and sha256), or None
-    for a folder registered in place (NO_UPLOAD), at ``location``."""
+    """One rank's part: its stored files (relative path -> size and digest, or None for a
+    folder registered in place by NO_UPLOAD, at ``location``), a part that failed
+    (``detail`` says why), or one still being stored (PENDING). ``reported_metrics`` are
+    the rank's own: the checkpoint keeps the lowest rank's."""
 
     rank: int
-    location: str
+    location: str | None
     files: dict[str, Any] | None
     size_bytes: int
     reported_metrics: dict[str, Any]
+    status: PartStatus = PartStatus.STORED
+    detail: str | None = None
+
+    @classmethod
+    def failed(cls, rank: int, metrics: dict[str, Any], detail: str) -> PartRecord:
+        """A rank whose part could not be stored: the report stays INCOMPLETE."""
+        return cls(rank, None, None, 0, metrics, PartStatus.FAILED, detail)
+
+
+@dataclasses.dataclass(frozen=True)
+class Standing:
+    """Where one call's assembly stands: its status, the parts so far (lowest rank
+    first), and the ranks of the worker group that have not reported past the call."""
+
+    status: AssemblyStatus
+    parts: list[PartRecord]
+    behind: list[int]
+
+    @property
+    def settled(self) -> bool:
+        """Every rank reported past the call and every part that joined arrived."""
+        return not self.behind and all(p.status is not PartStatus.PENDING for p in self.parts)
+
+    @property
+    def stored(self) -> list[PartRecord]:
+        return [p for p in self.parts if p.status is PartStatus.STORED]
+
+    @property
+    def failed(self) -> list[PartRecord]:
+        return [p for p in self.parts if p.status is PartStatus.FAILED]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,62 +128,91 @@ class Assemblies(NamespaceRoom):
     ``Registry.assemblies`` too); each method takes one transaction."""
 
     @retry_on_disconnect
-    def join(self, run_id: int, group_key: str, uri_of: Callable[[int], str]) -> Slot:
-        """The slot of the report ``group_key`` of the run, reserved by the first rank
-        that asks (a new report index, its folder named by ``uri_of(index)``). One write
-        transaction: the slot found, or the index reserved and the slot added."""
+    def join(self, run_id: int, report: ReportCall, uri_of: Callable[[int], str]) -> Slot:
+        """A rank with a part at ``report``: moves its progress on and joins the call's
+        slot, reserved by the first rank that joins (a new report index, its folder
+        named by ``uri_of(index)``). One write transaction."""
         try:
             with self.db.write() as conn:
-                found = _slot(conn, run_id, group_key)
+                _advance(conn, run_id, report)
+                found = _slot(conn, run_id, report.group_key)
                 if found is not None:
+                    _pending(conn, found.assembly_id, report.rank)
                     return found
                 index = self.catalog.reserve_report_index(conn, run_id)
                 assembly_id = conn.execute(
                     insert(CheckpointAssembly)
                     .values(
                         run_id=run_id,
-                        group_key=group_key,
+                        group_key=report.group_key,
                         report_index=index,
                         uri=uri_of(index),
                         status=AssemblyStatus.ASSEMBLING.value,
+                        world_size=report.world_size,
                         created_at=utcnow(),
                     )
                     .returning(CheckpointAssembly.id)
                 ).scalar_one()
+                _pending(conn, assembly_id, report.rank)
             return Slot(index, uri_of(index), assembly_id)
         except IntegrityError:
             # Another rank added it meanwhile (PostgreSQL): its slot wins, and this
-            # transaction's reservation was rolled back with it.
-            with self.db.read() as session:
-                found = _slot(session, run_id, group_key)
-            if found is None:
-                raise
-            return found
+            # transaction's reservation was rolled back with it. Join it.
+            return self.join(run_id, report, uri_of)
 
     @retry_on_disconnect
-    def add_part(self, assembly_id: int, part: PartRecord) -> None:
-        """Records one rank's stored part; the same rank again changes nothing."""
+    def advance(self, run_id: int, report: ReportCall) -> None:
+        """A rank without a part at ``report``: moves its progress on (one transaction)."""
+        with self.db.write() as conn:
+            _advance(conn, run_id, report)
+
+    @retry_on_disconnect
+    def arrive(self, assembly_id: int, part: PartRecord) -> bool:
+        """Records the part that ``part.rank`` joined with (stored or failed) while the
+        assembly is ASSEMBLING; again changes nothing. Returns False when the assembly
+        ended or is being sealed: a late part is never added to a sealed checkpoint."""
         values = dataclasses.asdict(part)
-        try:
-            with self.db.write() as conn:
-                conn.execute(
-                    insert(CheckpointPart).values(
-                        assembly_id=assembly_id, registered_at=utcnow(), **values
-                    )
+        del values["rank"]
+        values["status"] = part.status.value
+        table = CheckpointPart
+        with self.db.write() as conn:
+            if _status(conn, assembly_id, lock=True) is not AssemblyStatus.ASSEMBLING:
+                return False
+            conn.execute(
+                update(table)
+                .where(
+                    table.assembly_id == assembly_id,
+                    table.rank == part.rank,
+                    table.status == PartStatus.PENDING.value,
                 )
-        except IntegrityError:
-            if not any(p.rank == part.rank for p in self.parts(assembly_id)):
-                raise
+                .values(registered_at=utcnow(), **values)
+            )
+            return True
 
     @retry_on_disconnect
-    def parts(self, assembly_id: int) -> list[PartRecord]:
-        """The parts stored so far, lowest rank first."""
+    def standing(self, run_id: int, assembly_id: int, report: ReportCall) -> Standing:
+        """Where ``report``'s assembly stands (one read): its status, its parts, and the
+        ranks of the worker group still behind the call."""
         with self.db.read() as session:
-            return _parts(session, assembly_id)
+            status = session.execute(
+                select(CheckpointAssembly.status).where(CheckpointAssembly.id == assembly_id)
+            ).scalar_one()
+            reached = dict(
+                session.execute(
+                    select(ReportProgress.rank, ReportProgress.last_call).where(
+                        ReportProgress.run_id == run_id,
+                        ReportProgress.worker_group == report.worker_group,
+                    )
+                ).all()
+            )
+            behind = [
+                rank for rank in range(report.world_size) if reached.get(rank, 0) < report.call
+            ]
+            return Standing(AssemblyStatus(status), _parts(session, assembly_id), behind)
 
     def begin_sealing(self, assembly_id: int) -> list[PartRecord] | None:
-        """Takes the assembly from ASSEMBLING to SEALING and returns its parts; None when
-        it is not ASSEMBLING (another rank seals it, or it ended)."""
+        """Takes the assembly from ASSEMBLING to SEALING and returns its stored parts; None
+        when it is not ASSEMBLING (another rank seals it, or it ended)."""
         with self.db.write() as conn:
             taken = conn.execute(
                 update(CheckpointAssembly)
@@ -136,7 +222,9 @@ class Assemblies(NamespaceRoom):
                 )
                 .values(status=AssemblyStatus.SEALING.value)
             ).rowcount
-            return _parts(conn, assembly_id) if taken == 1 else None
+            if taken != 1:
+                return None
+            return [p for p in _parts(conn, assembly_id) if p.status is PartStatus.STORED]
 
     @retry_on_disconnect
     def end(self, assembly_id: int, status: AssemblyStatus, detail: str | None = None) -> None:
@@ -242,14 +330,73 @@ def _slot(conn: Connection | Session, run_id: int, group_key: str) -> Slot | Non
     return None if row is None else Slot(*row)
 
 
+def _advance(conn: Connection, run_id: int, report: ReportCall) -> None:
+    """Moves the rank's progress in its worker group on to ``report.call``."""
+    table = ReportProgress
+    mine = (
+        table.run_id == run_id,
+        table.worker_group == report.worker_group,
+        table.rank == report.rank,
+    )
+    moved = conn.execute(
+        update(table)
+        .where(*mine, table.last_call < report.call)
+        .values(last_call=report.call, updated_at=utcnow())
+    ).rowcount
+    if moved == 0 and conn.execute(select(table.last_call).where(*mine)).first() is None:
+        conn.execute(
+            insert(table).values(
+                run_id=run_id,
+                worker_group=report.worker_group,
+                rank=report.rank,
+                last_call=report.call,
+                updated_at=utcnow(),
+            )
+        )
+
+
+def _pending(conn: Connection, assembly_id: int, rank: int) -> None:
+    """The rank joined the assembly with a part it is storing (joining again changes
+    nothing)."""
+    mine = (CheckpointPart.assembly_id == assembly_id, CheckpointPart.rank == rank)
+    if conn.execute(select(CheckpointPart.status).where(*mine)).first() is None:
+        conn.execute(
+            insert(CheckpointPart).values(
+                assembly_id=assembly_id,
+                rank=rank,
+                status=PartStatus.PENDING.value,
+                files=None,
+                size_bytes=0,
+                reported_metrics={},
+                registered_at=utcnow(),
+            )
+        )
+
+
+def _status(conn: Connection, assembly_id: int, *, lock: bool = False) -> AssemblyStatus | None:
+    """The assembly's status; ``lock`` holds its row until the transaction ends
+    (PostgreSQL; SQLite's write transaction holds the whole database)."""
+    query = select(CheckpointAssembly.status).where(CheckpointAssembly.id == assembly_id)
+    status = conn.execute(query.with_for_update() if lock else query).scalar_one_or_none()
+    return None if status is None else AssemblyStatus(status)
+
+
 def _parts(conn: Connection | Session, assembly_id: int) -> list[PartRecord]:
     table = CheckpointPart
     rows = conn.execute(
-        select(table.rank, table.location, table.files, table.size_bytes, table.reported_metrics)
+        select(
+            table.rank,
+            table.location,
+            table.files,
+            table.size_bytes,
+            table.reported_metrics,
+            table.status,
+            table.detail,
+        )
         .where(table.assembly_id == assembly_id)
         .order_by(table.rank)
     ).all()
-    return [PartRecord(*row) for row in rows]
+    return [PartRecord(*row[:5], PartStatus(row.status), row.detail) for row in rows]
 
 
 def _ranks(session, assembly_ids: list[int]) -> dict[int, list[int]]:
@@ -258,7 +405,10 @@ def _ranks(session, assembly_ids: list[int]) -> dict[int, list[int]]:
     found: dict[int, list[int]] = {}
     rows = session.execute(
         select(CheckpointPart.assembly_id, CheckpointPart.rank)
-        .where(CheckpointPart.assembly_id.in_(assembly_ids))
+        .where(
+            CheckpointPart.assembly_id.in_(assembly_ids),
+            CheckpointPart.status == PartStatus.STORED.value,
+        )
         .order_by(CheckpointPart.rank)
     ).all()
     for assembly_id, rank in rows:

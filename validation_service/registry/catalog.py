@@ -237,14 +237,17 @@ class Catalog:
             query = query.where(*tag_conditions(tags))
         return [checkpoint_record(c, run) for c in conn.execute(query).all()]
 
-    def latest(self, conn: Connection | Session, run_id: int, run: str) -> CheckpointRecord | None:
-        """The run attempt's newest checkpoint that is not deleted, or None."""
-        row = conn.execute(
-            select(*RECORD_COLUMNS)
-            .where(Checkpoint.run_id == run_id, Checkpoint.deleted_at.is_(None))
-            .order_by(Checkpoint.report_index.desc())
-            .limit(1)
-        ).first()
+    def latest(
+        self, conn: Connection | Session, run_id: int, run: str, before: int | None = None
+    ) -> CheckpointRecord | None:
+        """The run attempt's newest checkpoint that is not deleted (reported before the
+        report index ``before``, if given), or None."""
+        query = select(*RECORD_COLUMNS).where(
+            Checkpoint.run_id == run_id, Checkpoint.deleted_at.is_(None)
+        )
+        if before is not None:
+            query = query.where(Checkpoint.report_index < before)
+        row = conn.execute(query.order_by(Checkpoint.report_index.desc()).limit(1)).first()
         return None if row is None else checkpoint_record(row, run)
 
     def aliased(

@@ -82,7 +82,8 @@ class Housekeeping:
         run_id = None if rule.run is None else catalog.require_run_id(conn, rule.run)
         found = retention.candidates(conn, catalog.namespace, rule.run, exclude_runs)
         found = retention.with_values(conn, found, rule.metric)
-        if not any(c.value is not None for c in found):
+        ranked = rule.keep_best or rule.keep_best_per_run  # else the metric plays no part
+        if ranked and not any(c.value is not None for c in found):
             known = catalog.known_metrics(conn, run_id)
             if rule.metric not in known:
                 if not strict:

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from validation_service import validation
@@ -25,7 +26,7 @@ from validation_service.registry.catalog import (
     checkpoint_row,
 )
 from validation_service.registry.database import retry_on_disconnect
-from validation_service.registry.models import utcnow
+from validation_service.registry.models import RegistryIdentity, utcnow
 from validation_service.registry.records import Registration
 from validation_service.request import ValidationRequest
 
@@ -35,6 +36,13 @@ logger = logging.getLogger(__name__)
 class Ledger(NamespaceRoom):
     """What a reporting process writes: its run, the indices of its reports, their
     checkpoints and validation jobs."""
+
+    @retry_on_disconnect
+    def registry_identity(self) -> str:
+        """This registry's id (made by its migration): the same for every process that
+        reports into this database, wherever it runs."""
+        with self.db.read() as session:
+            return session.execute(select(RegistryIdentity.id)).scalar_one()
 
     # ------------------------------------------------------------------- runs
     @retry_on_disconnect

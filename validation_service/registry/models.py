@@ -27,6 +27,7 @@ from validation_service.jobs import (
     DEFAULT_VALIDATOR,
     AssemblyStatus,
     JobStatus,
+    PartStatus,
     RunStatus,
     ValidationStatus,
 )
@@ -391,13 +392,39 @@ class CheckpointAssembly(Base):
     uri: Mapped[str] = mapped_column(Text)
     status: Mapped[str] = mapped_column(String(16), default=AssemblyStatus.ASSEMBLING.value)
     detail: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # How many ranks the worker group has: the seal waits until each reported past it.
+    world_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     ended_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
     deleted_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
 
 
+class RegistryIdentity(Base):
+    """The registry's one id, made by its migration: two processes whose registries have
+    the same id report into the same database."""
+
+    __tablename__ = "registry_identity"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class ReportProgress(Base):
+    """How far one rank of a worker group has reported: its report() calls so far. A
+    checkpoint of several ranks waits until every rank has reported past it."""
+
+    __tablename__ = "report_progress"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    worker_group: Mapped[str] = mapped_column(String(128), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    last_call: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
 class CheckpointPart(Base):
-    """One rank's stored part of an assembly: where its files are and their manifest."""
+    """One rank's part of an assembly: stored (where its files are and their manifest),
+    or failed (``detail`` says why)."""
 
     __tablename__ = "checkpoint_parts"
 
@@ -405,7 +432,9 @@ class CheckpointPart(Base):
         ForeignKey("checkpoint_assemblies.id", ondelete="CASCADE"), primary_key=True
     )
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    location: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), default=PartStatus.STORED.value)
+    detail: Mapped[str | None] = mapped_column(Text, nullable=True)
+    location: Mapped[str | None] = mapped_column(Text, nullable=True)
     # relative path -> {"size", "sha256"}; None for a folder registered in place.
     files: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -177,12 +177,13 @@ class Registry(RegistryJobs):
             return evaluations.labelled(session, records)
 
     @retry_on_disconnect
-    def latest_checkpoint(self, run: str, *, attempt: int | None = None):
+    def latest_checkpoint(self, run: str, *, attempt: int | None = None, before: int | None = None):
         """The newest checkpoint of the run's latest attempt (or of ``attempt``) as a
-        ray.train.Checkpoint (resume after a crash); deleted checkpoints are skipped."""
+        ray.train.Checkpoint (resume after a crash); deleted checkpoints are skipped, and
+        with ``before`` those reported at that report index or later."""
         with self.db.read() as session:
             run_id = self.catalog.require_run_id(session, run, attempt)
-            record = self.catalog.latest(session, run_id, run)
+            record = self.catalog.latest(session, run_id, run, before)
         return None if record is None else self._ray_checkpoint(record)
 
     def best_checkpoints(

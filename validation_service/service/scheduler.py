@@ -25,6 +25,7 @@ from validation_service.registry.models import utcnow
 from validation_service.registry.records import ClaimedJob, JobOutcome
 from validation_service.registry.wakeups import QueueListener
 from validation_service.retry import RetryPolicy
+from validation_service.service.warmth import WarmWorkers
 from validation_service.sinks import SinkDispatcher
 
 if TYPE_CHECKING:
@@ -84,6 +85,10 @@ class Scheduler:
         self._listener: QueueListener | None = None
         # The frameworks the last run's warm-up named; kept warm between runs.
         self._warm_modules: tuple[str, ...] | None = None
+        # The CPU pool's warm worker processes, and the warm-up tasks under way.
+        self.warmth = WarmWorkers(settings.pool_size("CPU"))
+        self._warming: list = []
+        self._warming_lock = threading.Lock()  # warm_up() runs on the actor's threads
         self.stats = {
             "claimed": 0,
             "finished": 0,
@@ -112,17 +117,33 @@ class Scheduler:
         self._wake.set()
 
     def warm_up(self, modules: Iterable[str]) -> list:
-        """Starts worker processes for the CPU pool's free slots before a run's first
-        validations need them (see RayTaskExecutor.warm_up); returns the warm-up tasks'
-        object refs, or none where the executor has no warm-up or keep_warm is off."""
+        """Starts a worker process for the CPU pool before a run's first validations need
+        it (see RayTaskExecutor.warm_up), when the pool has a free slot; returns the
+        warm-up task's object refs, or none where the executor has no warm-up or
+        keep_warm is off. One process: as training starts, the CPUs are training's, and
+        several processes importing the same frameworks at once would slow training and
+        every one of them; it counts as a process starting (service/warmth.py)."""
         self._warm_modules = tuple(modules)
         executor = self.executors.get(ExecutorKind.RAY_TASK.value)
         if not self.settings.keep_warm or not hasattr(executor, "warm_up"):
             return []
         busy = self._busy_by_pool().get("CPU", 0)
-        refs = executor.warm_up(self.settings.pool_size("CPU") - busy, modules)
+        refs = executor.warm_up(min(1, self.settings.pool_size("CPU") - busy), modules)
+        with self._warming_lock:
+            self._warming.extend(refs)
+            self.warmth.warming(len(self._warming))
         self.stats["warmed"] += len(refs)
         return refs
+
+    def _collect_warm_ups(self) -> None:
+        """The warm-up tasks that ended: their workers are warm."""
+        if not self._warming:
+            return
+        executor = self.executors[ExecutorKind.RAY_TASK.value]
+        with self._warming_lock:
+            ended, self._warming = executor.ended(self._warming)
+            self.warmth.warming(len(self._warming))
+        self.warmth.saw(executor.warm_pids(ended))
 
     def keep_warm(self) -> list:
         """Between runs, keeps the CPU pool's workers warm for the next run's first
@@ -213,6 +234,7 @@ class Scheduler:
             if requeued:
                 logger.warning("requeued jobs with expired leases: %s", requeued)
             self._last_expiry_scan = now
+        self._collect_warm_ups()
         self._collect()
         self._enforce_timeouts()
         self._claim_and_launch()
@@ -232,11 +254,16 @@ class Scheduler:
         if not due:
             return
         busy = self._busy_by_pool() if self.settings.replicas == 1 else self.jobs.running_per_pool()
-        if not any(busy.get(pool, 0) < self.settings.pool_size(pool) for pool in due):
+        # The CPU pool starts as many attempts as it has warm workers (service/warmth.py).
+        cpu = self.warmth.limit(busy.get("CPU", 0), "CPU" in due)
+        pools = {**self.settings.pools, "CPU": min(self.settings.pool_size("CPU"), cpu)}
+        if not any(
+            busy.get(pool, 0) < pools.get(pool, self.settings.pool_size(pool)) for pool in due
+        ):
             return
         claimed = self.jobs.claim_due_jobs(
             self.owner,
-            self.settings.pools,
+            pools,
             lease_s=self.settings.lease_s,
             default_limit=self.settings.default_pool_size,
         )
@@ -281,6 +308,8 @@ class Scheduler:
             if outcome is None:
                 continue
             del self._in_flight[job_id]
+            if handle.job.pool == "CPU":
+                self.warmth.saw([outcome.worker_pid])
             self._finish(handle.job, outcome)
 
     def _finish(self, job: ClaimedJob, outcome: JobOutcome) -> None:

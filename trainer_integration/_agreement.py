@@ -1,0 +1,81 @@
+"""Every rank of a worker group reports into one registry and one storage.
+
+A rank on another node resolves its own settings: without CKVAL_DATABASE_URL and
+CKVAL_STORAGE reaching it, a node-local default (an SQLite file, a local folder under
+its CKVAL_HOME) that is not the one the other ranks use. Its parts would then be
+recorded where the sealing rank never looks. So each rank's first report in a worker
+group writes where it reports (the registry's id, the storage's id, its node) beside Ray
+Train's run, before its ``ray.train.report``; and each rank that hands Ray Train a
+checkpoint compares them once Ray Train's rank sync has passed (every rank has written
+by then), failing that first report with an error that names both places.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+from validation_service.errors import InvalidInput
+
+FOLDER = ".ckval-ranks"
+
+
+def where_i_report(reporter, rank: int) -> dict:
+    """This rank's registry and storage, by id, and its node."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    return {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "node_id": node,
+        "registry": reporter.writer.ledger.registry_identity(),
+        "registry_url": reporter.writer.db.display_url,
+        "storage": reporter.storage.identity(),
+        "storage_uri": reporter.storage.root_uri,
+    }
+
+
+def _folder(storage, worker_group: str) -> str:
+    return f"{storage.experiment_fs_path.rstrip('/')}/{FOLDER}/{worker_group}"
+
+
+def note(storage, worker_group: str, reporter, rank: int) -> None:
+    """Writes where this rank reports, for its worker group (Ray Train's ``storage``)."""
+    folder = _folder(storage, worker_group)
+    storage.storage_filesystem.create_dir(folder)
+    with storage.storage_filesystem.open_output_stream(f"{folder}/rank-{rank}.json") as f:
+        f.write(json.dumps(where_i_report(reporter, rank)).encode())
+
+
+def check(storage, worker_group: str, rank: int) -> None:
+    """Raises InvalidInput when a rank of the worker group reports into another registry
+    or storage than this rank does (naming both); ranks that wrote nothing are skipped."""
+    import pyarrow.fs
+
+    filesystem = storage.storage_filesystem
+    selector = pyarrow.fs.FileSelector(_folder(storage, worker_group), allow_not_found=True)
+    found = []
+    for info in filesystem.get_file_info(selector):
+        with filesystem.open_input_stream(info.path) as f:
+            found.append(json.loads(f.read()))
+    mine = next((w for w in found if w["rank"] == rank), None)
+    if mine is None:
+        return
+    for other in sorted(found, key=lambda w: w["rank"]):
+        for what, place in (("registry", "registry_url"), ("storage", "storage_uri")):
+            if other[what] != mine[what]:
+                raise InvalidInput(_split(what, place, mine, other))
+
+
+def _split(what: str, place: str, mine: dict, other: dict) -> str:
+    return (
+        f"the ranks of this Ray Train run report into different {what}s: rank "
+        f"{mine['rank']} (node {mine['host']}) into {mine[place]!r}, rank {other['rank']} "
+        f"(node {other['host']}) into {other[place]!r}, another {what} although the "
+        "address may read alike (a node's own default under its CKVAL_HOME). A checkpoint "
+        "is never split across them: give every node the same CKVAL_DATABASE_URL and "
+        "CKVAL_STORAGE (a shared database and storage, e.g. PostgreSQL and S3), e.g. with "
+        "ray.init(runtime_env={'env_vars': validation_service.config.ckval_env()}); "
+        "this report was not registered."
+    )
