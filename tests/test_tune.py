@@ -212,3 +212,27 @@ def test_rays_trial_run_names_are_run_names():
     assert check_name("run name", "train-trial_id=3f2a1_00000") == "train-trial_id=3f2a1_00000"
     with pytest.raises(InvalidInput, match="not starting with"):
         check_name("run name", "=x")
+
+
+def test_the_metrics_tune_checks_are_read_from_the_stored_tuner(tmp_path):
+    import types
+
+    import pyarrow.fs
+    import ray.tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from validation_service import _ray_compat
+
+    ray.tune.Tuner(
+        lambda config: None,
+        tune_config=ray.tune.TuneConfig(
+            metric="loss", mode="min", scheduler=ASHAScheduler(time_attr="epoch")
+        ),
+        run_config=ray.tune.RunConfig(name="search", storage_path=str(tmp_path)),
+    )
+    storage = types.SimpleNamespace(
+        experiment_fs_path=str(tmp_path / "search"), storage_filesystem=pyarrow.fs.LocalFileSystem()
+    )
+    assert _ray_compat.tune_checked_metrics(storage) == ("loss",)
+    storage.experiment_fs_path = str(tmp_path / "elsewhere")
+    assert _ray_compat.tune_checked_metrics(storage) is None
