@@ -98,6 +98,20 @@ INTERNALS = (
         instead=("DataConfig._get_execution_options", "DataConfig.set_train_total_resources"),
     ),
     Internal(
+        _CALLBACK,
+        "ReportCallback.after_report",
+        "2.58-2.60 read: after_report(training_report, metrics), with training_report.checkpoint",
+        "trainer_integration.tune.TuneReportCallback cannot be made; the error names it",
+    ),
+    Internal(
+        "ray.tune.impl.tuner_internal",
+        "_TUNER_PKL",
+        "2.58-2.60 read: the Tuner's pickled state (its TuneConfig as _tune_config) in "
+        "the experiment's folder",
+        "TuneReportCallback does not know the metrics Tune checks: it forwards results "
+        "without them, as Ray's callback does",
+    ),
+    Internal(
         "ray._private.services",
         "canonicalize_bootstrap_address",
         "2.51-2.60",
@@ -192,6 +206,57 @@ def controller_callback_base() -> type:
             "trainer_integration.RunStatusCallback needs Ray 2.51 to 2.60."
         )
     return ControllerCallback
+
+
+TUNE_CALLBACK_HOOKS = ("after_controller_start", "after_controller_finish", "after_report")
+
+
+def tune_callback_bases() -> tuple[type, ...]:
+    """Ray Train's ControllerCallback and ReportCallback: a callback given to
+    ``RunConfig(callbacks=...)`` that is both sees each report on the controller
+    (``after_report(training_report, metrics)``) and the end of the run, before ``fit()``
+    returns (``after_controller_finish``). A ``UserCallback`` sees the reports only.
+    Raises ImportError naming what is missing where this Ray lacks them."""
+    try:
+        from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback
+    except ImportError as exc:
+        raise ImportError(
+            "trainer_integration.tune.TuneReportCallback needs Ray Train's ControllerCallback "
+            f"and ReportCallback ({_CALLBACK}), which this Ray lacks ({exc}). Use Ray 2.58 to "
+            "2.60, or Ray's own ray.tune.integration.ray_train.TuneReportCallback."
+        ) from None
+    bases = (ControllerCallback, ReportCallback)
+    missing = [hook for hook in TUNE_CALLBACK_HOOKS if not any(hasattr(b, hook) for b in bases)]
+    if missing:
+        raise ImportError(
+            f"Ray Train's callbacks lack {', '.join(missing)} in this Ray: "
+            "trainer_integration.tune.TuneReportCallback needs Ray 2.58 to 2.60."
+        )
+    return bases
+
+
+def tune_checked_metrics(storage: Any) -> tuple[str, ...] | None:
+    """The metrics Tune's strict metric check asks of every result of this experiment
+    (TuneConfig's ``metric``, its scheduler's and its search algorithm's), read from the
+    Tuner's state that Tune stores in the experiment's folder (``storage``: the trial's
+    ``ray.tune.get_context().get_storage()``). None where it cannot be read."""
+    try:
+        import ray.cloudpickle
+        from ray.tune.impl.tuner_internal import _TUNER_PKL
+
+        path = f"{storage.experiment_fs_path}/{_TUNER_PKL}"
+        with storage.storage_filesystem.open_input_file(path) as f:
+            state = ray.cloudpickle.loads(f.readall())
+        config = state["_tune_config"]
+    except Exception:  # noqa: BLE001 - another Ray version, a Tuner restored elsewhere
+        return None
+    checked: list[str] = []
+    for owner in (config, config.scheduler, config.search_alg):
+        metric = getattr(owner, "metric", None) if owner is not None else None
+        names = [metric] if isinstance(metric, str) else list(metric or ())
+        checked += [name for name in names if isinstance(name, str) and name not in checked]
+    # "_metric" is Tune's placeholder (DEFAULT_METRIC) for "not set": Tune skips it too.
+    return tuple(name for name in checked if name != "_metric")
 
 
 def is_aborted_state(state: Any) -> bool:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import re
 
 MAX_NAME_LENGTH = 128
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
-_UNSAFE_CHARACTER = re.compile(r"[^A-Za-z0-9_.-]")
+# '=' is allowed after the first character: Ray's guide names each Tune trial's Ray Train
+# run "train-trial_id=<id>", and 'key=value' is a plain segment in paths, URLs and buckets.
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.=-]*")
+_UNSAFE_CHARACTER = re.compile(r"[^A-Za-z0-9_.=-]")
 RULE = (
-    f"1 to {MAX_NAME_LENGTH} characters of letters, digits, '-', '_' and '.', not starting with '.'"
+    f"1 to {MAX_NAME_LENGTH} characters of letters, digits, '-', '_', '.' and '=', "
+    "not starting with '.' or '='"
 )
 
 
@@ -44,5 +47,5 @@ def check_name(kind: str, value: object, *, where: str = "") -> str:
 def suggested_name(value: object) -> str:
     """A valid name close to ``value``: unsafe characters become '_'."""
     text = str(value) if value is not None else ""
-    text = _UNSAFE_CHARACTER.sub("_", text).lstrip(".")[:MAX_NAME_LENGTH]
+    text = _UNSAFE_CHARACTER.sub("_", text).lstrip(".=")[:MAX_NAME_LENGTH]
     return text or "run"

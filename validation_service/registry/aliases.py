@@ -1,6 +1,7 @@
 """Aliases and tags of checkpoints: named pointers that move in one statement, string tags
 (as MLflow's), and the rules that keep an alias on a run's best checkpoint. Reads and
-writes checkpoint_aliases, tracked_aliases and checkpoint_tags only."""
+writes checkpoint_aliases, tracked_aliases and checkpoint_tags; a tag filter also reads
+the tags of each checkpoint's run."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import delete, exists, select
+from sqlalchemy import delete, exists, or_, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
@@ -19,12 +20,16 @@ from validation_service.registry.models import (
     Checkpoint,
     CheckpointAlias,
     CheckpointTag,
+    Run,
     TrackedAlias,
     utcnow,
 )
 from validation_service.registry.records import CheckpointRecord
 from validation_service.validation import INT32_MAX
 
+# The checkpoint's run, under a name of its own: the queries a tag filter joins may have
+# joined runs already, and the filter's EXISTS must not correlate with that join.
+_tagged_run = Run.__table__.alias("tagged_run")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
 MAX_TAG_VALUE = 1000
 
@@ -66,13 +71,21 @@ def check_tag_filter(tags: Any) -> dict[str, str]:
 
 
 def tag_conditions(tags: dict[str, str]) -> list[Any]:
-    """WHERE clauses on checkpoints: every key = value of ``tags`` is set on the checkpoint."""
+    """WHERE clauses on checkpoints: every key = value of ``tags`` is set on the
+    checkpoint, or on its run. A run's tags hold for each of its checkpoints: the Ray Tune
+    trial of a run (``tune_experiment``, ``tune_trial_id``) is a tag of the run, so that
+    ``best_checkpoints(None, metric, tags={"tune_experiment": ...})`` ranks a search."""
     check_tag_filter(tags)
     return [
-        exists().where(
-            CheckpointTag.checkpoint_id == Checkpoint.id,
-            CheckpointTag.key == key,
-            CheckpointTag.value == value,
+        or_(
+            exists().where(
+                CheckpointTag.checkpoint_id == Checkpoint.id,
+                CheckpointTag.key == key,
+                CheckpointTag.value == value,
+            ),
+            exists().where(
+                _tagged_run.c.id == Checkpoint.run_id, _tagged_run.c.tags[key].as_string() == value
+            ),
         )
         for key, value in tags.items()
     ]

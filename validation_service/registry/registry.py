@@ -166,8 +166,9 @@ class Registry(RegistryJobs):
         """The run's checkpoints in report order, with their aliases, tags and the metrics
         of every validator (``evaluations``: name -> metrics, "default" being report()'s).
 
-        ``tags``: only those with every key = value; ``attempt``: of that attempt of
-        the run (default: its latest).
+        ``tags``: only those with every key = value, set on the checkpoint or on its
+        run (run tags such as ``tune_experiment``); ``attempt``: of that attempt of the
+        run (default: its latest).
         """
         with self.db.read() as session:
             run_id = self.catalog.require_run_id(session, run, attempt)
@@ -202,7 +203,8 @@ class Registry(RegistryJobs):
         Uses the merged metrics (a validated value overrides a reported one of the same
         name). NaN and infinite values are never ranked, deleted checkpoints neither. Ties
         go to the earlier report. ``run``: its latest attempt (or ``attempt``); None: every
-        run of the namespace. ``tags``: only checkpoints with every key = value. ``mode``
+        run of the namespace. ``tags``: only checkpoints with every key = value, on the
+        checkpoint or on its run (a Ray Tune search: ``{"tune_experiment": name}``). ``mode``
         defaults to "max"; left out for a metric named like a loss or an error, it warns
         that the highest values come first. ``validator``: rank by that named evaluation's
         values (see revalidate); the metrics returned are then that evaluation's.

@@ -1,0 +1,238 @@
+"""Ray Tune on validated metrics: trainer_integration.tune.TuneReportCallback.
+
+One ASHA search (4 trials: two learning rates that learn, two that stay at chance; 1 Ray
+Train worker each, epochs of ~2 s, validations of 0.5 s) is run once and checked for
+several things: the poor trials are stopped while they train, on their validated
+accuracy; Tune's rows carry exactly the registry's validated values, in epoch order; the
+stopped trials leave no Ray Train controller and no job RUNNING, and their checkpoints
+keep their validations; the runs carry their trial as run tags. MedianStoppingRule and
+HyperBand each get a smaller search. The callback's own rules (report order, what is
+held back, one warning per trial) are checked without Ray.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler, MedianStoppingRule
+
+from tests.tune_search import GOOD_LRS, POOR_LRS, run_search
+from validation_service.registry.registry import Registry
+
+EPOCHS = 8
+
+
+def _controllers_alive() -> int:
+    from ray._private import state  # tests may read Ray's state; product code may not
+
+    return sum(
+        1
+        for actor in state.actors().values()
+        if actor.get("ActorClassName") == "TrainController" and actor.get("State") == "ALIVE"
+    )
+
+
+def _trial_runs(registry: Registry, experiment: str) -> dict[str, str]:
+    """trial id -> ckval run name, for the runs tagged with the experiment."""
+    return {
+        run.tags["tune_trial_id"]: run.name
+        for run in registry.runs()
+        if run.tags.get("tune_experiment") == experiment
+    }
+
+
+@pytest.fixture(scope="module")
+def asha_search(service, tmp_path_factory):
+    name = f"asha-{uuid.uuid4().hex[:6]}"
+    scheduler = ASHAScheduler(
+        time_attr="epoch", metric="val_acc", mode="max", grace_period=2, max_t=EPOCHS
+    )
+    storage = str(tmp_path_factory.mktemp("tune"))
+    grid = run_search(
+        scheduler, name=name, storage_path=storage, lrs=GOOD_LRS + POOR_LRS, epochs=EPOCHS
+    )
+    return name, grid
+
+
+def test_asha_stops_the_poor_trials_on_their_validated_accuracy(asha_search):
+    _, grid = asha_search
+    assert not grid.errors
+    last_epoch = {r.config["lr"]: int(r.metrics_dataframe["epoch"].max()) for r in grid}
+    for lr in POOR_LRS:  # stopped while they still trained
+        assert last_epoch[lr] < EPOCHS - 1, last_epoch
+    assert max(last_epoch[lr] for lr in GOOD_LRS) == EPOCHS - 1, last_epoch
+    best = grid.get_best_result(metric="val_acc", mode="max")
+    assert best.config["lr"] in GOOD_LRS
+    assert best.metrics["val_acc"] > 0.9
+
+
+def test_tunes_rows_are_the_registrys_validated_values_in_epoch_order(asha_search):
+    name, grid = asha_search
+    registry = Registry()
+    runs = _trial_runs(registry, name)
+    assert len(runs) == 4
+    for result in grid:
+        frame = result.metrics_dataframe
+        assert list(frame["epoch"]) == sorted(frame["epoch"])
+        assert set(frame["ckval_validation_status"]) == {"VALIDATED"}
+        records = registry.checkpoints(runs[result.metrics["trial_id"]])
+        validated = {r.epoch: r.validated_metrics["val_acc"] for r in records}
+        assert list(frame["val_acc"]) == [validated[e] for e in frame["epoch"]]
+        by_index = {r.report_index: r.uri for r in records}
+        assert list(frame["checkpoint_path"]) == [by_index[i] for i in frame["ckval_report_index"]]
+        assert {"loss", "epoch"} <= set(frame.columns)  # the report's own metrics too
+
+
+def test_stopped_trials_leave_no_controller_and_keep_their_validations(asha_search):
+    name, _ = asha_search
+    assert _controllers_alive() == 0
+    registry = Registry()
+    for run in _trial_runs(registry, name).values():
+        registry.wait(run, timeout_s=120)
+        statuses = {r.validation_status for r in registry.checkpoints(run)}
+        assert statuses == {"VALIDATED"}, (run, statuses)
+        assert not registry.incomplete_checkpoints(run)
+
+
+def test_the_search_ranks_across_its_trials_by_run_tags(asha_search):
+    name, grid = asha_search
+    registry = Registry()
+    best = registry.best_checkpoint_records(None, "val_acc", k=3, tags={"tune_experiment": name})
+    assert len(best) == 3
+    runs = _trial_runs(registry, name)
+    good_runs = {runs[r.metrics["trial_id"]] for r in grid if r.config["lr"] in GOOD_LRS}
+    assert best[0].run in good_runs and best[0].metrics["val_acc"] > 0.9
+    pairs = registry.best_checkpoints(None, "val_acc", k=3, tags={"tune_experiment": name})
+    assert [metrics for _, metrics in pairs] == [record.metrics for record in best]
+    assert registry.best_checkpoints(None, "val_acc", tags={"tune_experiment": "other"}) == []
+
+
+def test_median_stopping_rule_on_validated_accuracy(service, tmp_path):
+    scheduler = MedianStoppingRule(
+        time_attr="epoch", metric="val_acc", mode="max", grace_period=1, min_samples_required=1
+    )
+    grid = run_search(
+        scheduler,
+        name=f"median-{uuid.uuid4().hex[:6]}",
+        storage_path=str(tmp_path),
+        lrs=(GOOD_LRS[0], POOR_LRS[0]),
+        epochs=6,
+        epoch_s=1.0,
+    )
+    assert not grid.errors
+    last = {r.config["lr"]: int(r.metrics_dataframe["epoch"].max()) for r in grid}
+    # The poor trial is stopped early, on its validated accuracy; the good one goes on.
+    assert last[POOR_LRS[0]] < 5 and last[GOOD_LRS[0]] > last[POOR_LRS[0]] + 1, last
+
+
+def test_hyperband_on_validated_accuracy(service, tmp_path):
+    scheduler = HyperBandScheduler(
+        time_attr="epoch", metric="val_acc", mode="max", max_t=4, reduction_factor=2
+    )
+    grid = run_search(
+        scheduler,
+        name=f"hyperband-{uuid.uuid4().hex[:6]}",
+        storage_path=str(tmp_path),
+        lrs=(GOOD_LRS[0], POOR_LRS[0]),
+        epochs=4,
+        epoch_s=1.0,
+    )
+    assert not grid.errors
+    best = grid.get_best_result(metric="val_acc", mode="max")
+    assert best.config["lr"] == GOOD_LRS[0]
+    for result in grid:
+        assert set(result.metrics_dataframe["ckval_validation_status"]) == {"VALIDATED"}
+
+
+def test_outside_a_tune_session_it_raises_as_rays_does():
+    from trainer_integration.tune import TuneReportCallback
+
+    with pytest.raises(RuntimeError, match="must be used in a Tune session"):
+        TuneReportCallback()
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [({"validated_only": "yes"}, "validated_only"), ({"poll_interval_s": 0}, "poll_interval_s")],
+)
+def test_bad_options_are_refused_naming_them(options, named):
+    from trainer_integration.tune import TuneReportCallback
+    from validation_service.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match=named):
+        TuneReportCallback(**options)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_metric_tune_checks_and_no_result_has_is_named_once_per_trial(strict, caplog):
+    from trainer_integration._tune_results import TrialLink, TuneResults
+
+    sent: list[dict] = []
+    trial = TrialLink("t_00000", "search", checked=("val_acc",), strict=strict)
+    results = TuneResults("r", trial, None, sent.append, validated_only=True, poll_interval_s=1)
+    base = {"ckval_report_index": 0, "ckval_validation_status": "VALIDATED", "loss": 0.1}
+    with caplog.at_level("WARNING", logger="trainer_integration._tune_results"):
+        for index in range(3):
+            assert results._deliver({**base, "ckval_report_index": index, "acc": 0.9})
+        results._deliver({**base, "val_acc": 0.9})
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "'val_acc'" in warnings[0] and "t_00000" in warnings[0]
+    # Held back under Tune's strict check (which would end the search); else handed over.
+    assert len(sent) == (1 if strict else 4)
+    assert sent[-1]["val_acc"] == 0.9
+
+
+def test_a_tag_filter_matches_a_checkpoints_run_tags(registry):
+    ledger = registry.ledger
+    for name, search, val_acc in [("a", "s1", 0.7), ("b", "s1", 0.9), ("c", "s2", 0.99)]:
+        run_id = ledger.ensure_run(name, storage_root="/tmp/ckval-tags")
+        ledger.tag_run(run_id, {"tune_experiment": search, "tune_trial_id": f"{name}_0"})
+        ledger.register_checkpoint(
+            run_id,
+            ledger.reserve_report_index(run_id),
+            uri=f"/tmp/ckval-tags/{name}/checkpoint_000000",
+            size_bytes=1,
+            manifest_sha256=None,
+            reported_metrics={"val_acc": val_acc},
+        )
+    registry.tag("a", 0, "split", "val")  # a checkpoint's own tag still counts
+    ranked = registry.best_checkpoint_records(None, "val_acc", k=5, tags={"tune_experiment": "s1"})
+    assert [record.run for record in ranked] == ["b", "a"]
+    both = {"tune_experiment": "s1", "split": "val"}
+    assert [r.run for r in registry.best_checkpoint_records(None, "val_acc", tags=both)] == ["a"]
+    assert [r.report_index for r in registry.checkpoints("b", tags={"tune_trial_id": "b_0"})] == [0]
+    assert registry.checkpoints("b", tags={"tune_trial_id": "a_0"}) == []
+
+
+def test_rays_trial_run_names_are_run_names():
+    from validation_service.errors import InvalidInput
+    from validation_service.names import check_name
+
+    assert check_name("run name", "train-trial_id=3f2a1_00000") == "train-trial_id=3f2a1_00000"
+    with pytest.raises(InvalidInput, match="not starting with"):
+        check_name("run name", "=x")
+
+
+def test_the_metrics_tune_checks_are_read_from_the_stored_tuner(tmp_path):
+    import types
+
+    import pyarrow.fs
+    import ray.tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from validation_service import _ray_compat
+
+    ray.tune.Tuner(
+        lambda config: None,
+        tune_config=ray.tune.TuneConfig(
+            metric="loss", mode="min", scheduler=ASHAScheduler(time_attr="epoch")
+        ),
+        run_config=ray.tune.RunConfig(name="search", storage_path=str(tmp_path)),
+    )
+    storage = types.SimpleNamespace(
+        experiment_fs_path=str(tmp_path / "search"), storage_filesystem=pyarrow.fs.LocalFileSystem()
+    )
+    assert _ray_compat.tune_checked_metrics(storage) == ("loss",)
+    storage.experiment_fs_path = str(tmp_path / "elsewhere")
+    assert _ray_compat.tune_checked_metrics(storage) is None
