@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from trainer_integration._reporter import POINTER_FILE
+from trainer_integration._resume import read_pointer
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +50,8 @@ class _Report:
     """One report as Ray Train's controller saw it."""
 
     metrics: dict[str, Any]  # rank 0's
-    index: int | None = None  # the ckval report index its pointer names
-    path: str | None = None  # the folder Ray Train holds, when it has no pointer
+    index: int | None = None  # the ckval checkpoint's report index its pointer names
+    path: str | None = None  # the folder Ray Train holds, when it is no checkpoint of ckval
 
 
 _NOT_YET = object()  # the report's validation has not ended
@@ -199,9 +198,10 @@ class TuneResults:
 
     def _result_of(self, report: _Report) -> Any:
         """The report's result for Tune, None when it is not forwarded, or _NOT_YET."""
-        if report.index is None and not self._is_stored(report.path):
-            # No checkpoint of ckval's: forwarded as Ray's callback does, unless only
-            # validated results go to Tune.
+        if report.index is None:
+            # No checkpoint of ckval's (or a report of several ranks that never became
+            # one): forwarded as Ray's callback does, unless only validated results go
+            # to Tune.
             if self._validated_only:
                 return None
             if report.path is None:
@@ -229,20 +229,7 @@ class TuneResults:
             records = self.registry.checkpoints(self.run)
         except RunNotFound:
             return None
-        for record in records:
-            if report.index is not None and record.report_index == report.index:
-                return record
-            if report.path is not None and _same_folder(record.uri, report.path):
-                return record
-        return None
-
-    def _is_stored(self, path: str | None) -> bool:
-        """Whether a folder Ray Train holds is inside ckval's storage (a checkpoint that
-        Ray Train was handed as ckval stored it)."""
-        if path is None:
-            return False
-        stored_root = str(self._settings.resolved_storage()).split("://", 1)[-1].rstrip("/")
-        return path.rstrip("/").startswith(stored_root + "/")
+        return next((r for r in records if r.report_index == report.index), None)
 
     @property
     def registry(self):
@@ -263,19 +250,16 @@ class TuneResults:
 
 
 def _report_of(metrics: dict[str, Any], checkpoint) -> _Report:
-    """The report: the ckval report index its pointer names, or (the checkpoint being
-    ckval's stored folder itself) the folder's path."""
+    """The report: the report index of the ckval checkpoint its pointer names, or (no
+    pointer, or the pointer of a report that never became a checkpoint) its folder."""
     if checkpoint is None:
         return _Report(metrics)
     try:
-        with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{POINTER_FILE}") as f:
-            return _Report(metrics, index=int(json.loads(f.read())["report_index"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        pointer = read_pointer(checkpoint)
+    except (OSError, ValueError):
+        pointer = None
+    if pointer is None:
         return _Report(metrics, path=checkpoint.path)
-
-
-def _same_folder(uri: str, path: str) -> bool:
-    """Whether a stored checkpoint's URI and a folder path Ray Train holds are one folder
-    (Ray Train's paths carry no scheme: ``bucket/key`` for ``s3://bucket/key``)."""
-    stripped = uri.split("://", 1)[-1]
-    return stripped.rstrip("/") == path.rstrip("/")
+    if not pointer.get("complete", True):
+        return _Report(metrics)  # no checkpoint came of it: its metrics alone
+    return _Report(metrics, index=int(pointer["report_index"]))
