@@ -134,7 +134,7 @@ def _check_names(location: WatchedLocation, pattern: str | None) -> None:
             "path, the credentials (CKVAL_STORAGE_OPTIONS) and the permissions. Nothing "
             "was registered."
         ) from None
-    if not location.fs.isdir(location.path):
+    if location.fs.isfile(location.path):
         raise InvalidInput(
             f"{location.uri!r} is a file, not a folder: watch the folder your trainer saves "
             "its step folders to. Nothing was registered."
