@@ -191,6 +191,12 @@ def test_benchmark_revalidate_smoke(tmp_path):
     assert "| backlog running | 2 |" in out
 
 
+def test_benchmark_watch_smoke(tmp_path):
+    out = run([sys.executable, "benchmarks/bench_watch.py", "--smoke"], tmp_path)
+    assert "| default interval (5 s) | 3 |" in out and "| --short-interval 1 s | 3 |" in out
+    assert "| local disk | 50 |" in out and "| S3 (moto) | 50 |" in out
+
+
 def test_benchmark_async_validation_smoke(tmp_path):
     out_file = tmp_path / "async.md"
     # The call users write (ckval-async) and the strongest configuration of Ray's own
