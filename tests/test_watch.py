@@ -292,3 +292,21 @@ def test_a_copy_interrupted_by_a_restart_is_finished_once(reg, settings, tmp_pat
     time.sleep(0.01)  # its lease runs out
     assert watcher(reg, settings, "replica-b/1").tick() == 1
     assert [(r.report_index, r.step) for r in reg.checkpoints(unique_run)] == [(0, 1)]
+
+
+def test_an_outside_program_validates_each_step_folder_and_retention_keeps_them(
+    reg, settings, tmp_path, unique_run
+):
+    from tests.test_revalidate import PROGRAM, program
+    from validation_service.validators import CommandValidator
+
+    steps = tmp_path / "trainer"
+    for step, value in ((10, 0.1), (20, 0.2), (30, 0.3)):
+        step_folder(steps, f"step-{step}", value)
+    reg.watch(str(steps), unique_run, CommandValidator(program(tmp_path, PROGRAM)))
+    watcher(reg, settings).tick()
+    jobs = settle(reg, settings, unique_run)
+    assert [j.status for j in jobs] == ["SUCCEEDED"] * 3
+    assert [r.metrics["score"] for r in reg.checkpoints(unique_run)] == [0.2, 0.4, 0.6]
+    reg.apply_retention(unique_run, metric="score", keep_best_per_run=0, keep_latest=0)
+    assert all((steps / f"step-{s}" / "value.json").exists() for s in (10, 20, 30))
