@@ -111,7 +111,7 @@ def time_listing(uri: str, settings, repeats: int) -> dict[str, float]:
 
     registry = Registry(settings=settings)
     try:
-        registry.watch(uri, "listed", "benchmarks.bench_watch:noop_validate")
+        registry.watch(uri, "listed", noop_validate)
         watcher = FolderWatcher(registry.watch_listings, settings, "bench/1")
         started = time.perf_counter()
         registered = watcher.tick()
