@@ -53,7 +53,7 @@ def watch(ctx: click.Context, uri: str, **options: Any) -> None:
         f"into run {options['run']!r} (`ckval watches` shows them, `ckval unwatch "
         f"{watch_id}` ends it)"
     )
-    _tell_service(registry.settings)
+    _tell_service(registry.settings, waiting="nothing is listed or registered")
 
 
 @click.command()
