@@ -109,7 +109,7 @@ def registry(request, tmp_path):
         conn.exec_driver_sql(
             "TRUNCATE runs, checkpoints, metric_values, validation_jobs, validation_attempts, "
             "checkpoint_aliases, tracked_aliases, checkpoint_tags, retention_policies, "
-            "stop_policies, stop_decisions, service_replicas "
+            "stop_policies, stop_decisions, service_replicas, watches, watched_folders "
             "RESTART IDENTITY CASCADE"
         )
     yield reg

@@ -146,6 +146,22 @@ def test_example_plain_script(tmp_path):
     assert best.report_index == 5 and f"error {best.metrics['error']:.5f}" in out
 
 
+def test_example_watch_torchtitan_style(tmp_path):
+    """A plain torch loop saves DCP step folders; the service registers and validates each
+    on the "eval_slot" pool, once."""
+    folder = tmp_path / "titan"
+    args = ["--steps", "20", "--every", "10", "--run", "titan", "--folder", str(folder)]
+    out = run([sys.executable, "examples/watch_torchtitan_style.py", *args], tmp_path)
+    registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
+    records = registry.checkpoints("titan")
+    assert [(r.step, r.uri) for r in records] == [(s, str(folder / f"step-{s}")) for s in (10, 20)]
+    assert [r.validation_status for r in records] == ["VALIDATED", "VALIDATED"]
+    jobs = registry.validations("titan")
+    assert all(job.resources["resources"] == {"eval_slot": 1} for job in jobs)
+    assert records[-1].metrics["accuracy"] > 0.5  # 4 classes: trained, not chance
+    assert f"step    20: accuracy {records[-1].metrics['accuracy']:.4f}" in out
+
+
 def test_benchmark_core_smoke(tmp_path):
     out = run([sys.executable, "benchmarks/bench_core.py", "--smoke"], tmp_path)
     assert "dispatch latency, report() returned -> validate_fn started: median" in out
@@ -173,6 +189,12 @@ def test_benchmark_revalidate_smoke(tmp_path):
     assert "| 0 | met |" in out
     assert "| **validations/s, end to end, 40 jobs** |" in out and "| jobs FAILED | 0 |" in out
     assert "| backlog running | 2 |" in out
+
+
+def test_benchmark_watch_smoke(tmp_path):
+    out = run([sys.executable, "benchmarks/bench_watch.py", "--smoke"], tmp_path)
+    assert "| default interval (5 s) | 3 |" in out and "| --short-interval 1 s | 3 |" in out
+    assert "| local disk | 50 |" in out and "| S3 (moto) | 50 |" in out
 
 
 def test_benchmark_async_validation_smoke(tmp_path):

@@ -86,7 +86,7 @@ def test_the_ray_release_asked_and_the_venv_asked(tmp_path):
     lines = done.stdout.splitlines()
     assert "ray: ray[train,data,client]==2.54.1" in lines
     assert lines[0].startswith(f"venv: {tmp_path / 'venv'} (Python ")
-    assert "ckval: -e .[test,tensorflow,dask,transformers,lightning]" in lines
+    assert "ckval: -e .[test,tensorflow,dask,transformers,lightning,lm-eval]" in lines
 
 
 def test_a_venv_that_has_torch_gets_no_other_build(tmp_path):

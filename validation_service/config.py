@@ -27,7 +27,7 @@ MAX_REPLICAS = 16
 # What each bounded number setting must be: the test of a value, and the error's words.
 _NUMBER_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     **dict.fromkeys(
-        ("lease_s", "poll_interval_s", "delivery_timeout_s"),
+        ("lease_s", "poll_interval_s", "delivery_timeout_s", "watch_interval_s", "watch_settle_s"),
         (lambda value: math.isfinite(value) and value > 0, "must be a positive number of seconds"),
     ),
     # 0 is meaningful here: a heartbeat every loop, a retry without waiting.
@@ -109,6 +109,10 @@ class Settings(BaseSettings):
     # How long report() keeps delivering a report in the background while the registry
     # is unreachable, before the next report() raises ReportNotDelivered.
     delivery_timeout_s: float = 600.0
+    # Watched folders (Registry.watch): how often the service lists each one, and how
+    # long a step folder without a completion marker must stay unchanged to be ready.
+    watch_interval_s: float = 5.0
+    watch_settle_s: float = 30.0
 
     http_host: str = "127.0.0.1"
     http_port: int = 8780

@@ -94,3 +94,15 @@ class ExecutorKind(str, enum.Enum):
     """How one validation runs; the scheduler picks the executor by this."""
 
     RAY_TASK = "ray_task"
+
+
+class WatchedFolderState(str, enum.Enum):
+    """A step folder a watch has seen (registry/watches.py).
+
+    WAITING -> REGISTERED once it is ready (registered in place), or, for a watch that
+    copies, WAITING -> COPYING (its report index reserved) -> REGISTERED.
+    """
+
+    WAITING = "WAITING"
+    COPYING = "COPYING"
+    REGISTERED = "REGISTERED"

@@ -206,3 +206,9 @@ def _read_key(path: Path) -> str:
             stat.S_IMODE(mode),
         )
     return key
+
+
+def watch_binding(namespace: str, run: str, uri: str) -> bytes:
+    """What a watch's payloads are bound to (registry/watches.py): its namespace, run and
+    folder. The service verifies them so, then signs each step folder's job for it."""
+    return json.dumps(["watch", namespace, run, uri]).encode()

@@ -100,7 +100,12 @@ def _outside_folder_copy(uri: str, storage_options: dict[str, Any], workdir: str
     """A registered outside folder to read: local, as it is; remote, downloaded."""
     fs, path = _filesystem(uri, storage_options)
     if not fs.isdir(path):
-        raise CheckpointNotFound(uri, "the registered folder is gone")
+        raise CheckpointNotFound(
+            uri,
+            "the folder was deleted after it was registered (a trainer's own rotation, "
+            "such as keep_latest_k, deletes its older step folders: watch with copy=True "
+            "to keep a copy until it is validated)",
+        )
     if isinstance(fs, LocalFileSystem):
         return os.path.abspath(os.path.expanduser(path))
     target_root = tempfile.mkdtemp(prefix="ckpt-", dir=workdir)

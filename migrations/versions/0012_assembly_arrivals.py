@@ -1,7 +1,7 @@
 """report progress: every rank of a worker group says how far it reported
 
 Revision ID: 0012
-Revises: 0008
+Revises: 0010
 Create Date: 2026-11-28
 
 A checkpoint written by several ranks is sealed once every rank of its worker group has
@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0012"
-down_revision = "0008"
+down_revision = "0010"
 branch_labels = None
 depends_on = None
 

@@ -5,7 +5,7 @@ registry listings start fast: every command imports what it uses (SQLAlchemy for
 registry, Ray only to reach the service); the listings (runs, checkpoints, best, jobs)
 read an embedded SQLite registry with sqlite3 alone (registry/_fast_read.py). The
 commands live in this package's modules (listings, jobs, service, registry, stopping,
-evaluations, db, ui) and join here with ``main.add_command(command)``, following the
+evaluations, watching, db, ui) and join here with ``main.add_command(command)``, following the
 same rule.
 """
 
@@ -23,6 +23,7 @@ from validation_service.cli import (
     registry,
     service,
     stopping,
+    watching,
 )
 from validation_service.cli._format import echo
 from validation_service.cli.common import EXIT_FAILURE, EXIT_NOT_RUNNING, EXIT_USAGE
@@ -97,6 +98,7 @@ for _command in (
     *registry.COMMANDS,
     *stopping.COMMANDS,
     *evaluations.COMMANDS,
+    *watching.COMMANDS,
     db,
     ui_command,
 ):

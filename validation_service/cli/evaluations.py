@@ -115,8 +115,9 @@ def _echo_queued(validator: str, done) -> None:
         echo(f"skipped {len(done.deleted)} deleted checkpoint(s): {shown}")
 
 
-def _tell_service(settings) -> None:
-    """Wakes the running service for the new jobs, or says that none runs to take them."""
+def _tell_service(settings, waiting: str = "the jobs stay QUEUED") -> None:
+    """Wakes the running service for the new jobs, or says that none runs to take them
+    (and what ``waiting`` for one means)."""
     from validation_service.cli.service import find_service
     from validation_service.errors import RayClusterNotFound
 
@@ -130,8 +131,8 @@ def _tell_service(settings) -> None:
             return
         problem = f"none on the Ray cluster at {address}"
     echo(
-        f"warning: no ckval service is running ({problem}): the jobs stay QUEUED until one "
-        "runs (`ckval serve`)",
+        f"warning: no ckval service is running ({problem}): {waiting} until one runs "
+        "(`ckval serve`)",
         err=True,
     )
 

@@ -85,6 +85,8 @@ CHECKED_SETTINGS = frozenset(
         "retry_backoff_s",
         "retry_backoff_max_s",
         "delivery_timeout_s",
+        "watch_interval_s",
+        "watch_settle_s",
         "http_port",
         "allowed_modules",
         "mlflow_allowed_uris",

@@ -27,6 +27,7 @@ from validation_service.registry.jobs import JobQueue
 from validation_service.registry.ledger import Ledger
 from validation_service.registry.replicas import ReplicaBook
 from validation_service.registry.stopping import StopRules
+from validation_service.registry.watch_listings import WatchBook
 from validation_service.retry import RetryPolicy
 
 
@@ -90,11 +91,13 @@ def open_report_writer(settings: Settings) -> ReportWriter:
 @dataclasses.dataclass(frozen=True)
 class ServiceParts(_OwnDatabase):
     """What a service replica's scheduler works with: the queue's claims, leases and
-    outcomes (``job_queue``, which has housekeeping judged after them) and the replicas'
-    rows (``replicas``); ``engine`` for the replica's wake-ups (wakeups.QueueListener)."""
+    outcomes (``job_queue``, which has housekeeping judged after them), the replicas'
+    rows (``replicas``) and the watched folders' listings (``watch_listings``);
+    ``engine`` for the replica's wake-ups (wakeups.QueueListener)."""
 
     job_queue: JobQueue
     replicas: ReplicaBook
+    watch_listings: WatchBook
 
     @property
     def engine(self) -> Engine:
@@ -108,7 +111,7 @@ class ServiceParts(_OwnDatabase):
 def open_service_parts(settings: Settings) -> ServiceParts:
     """A service replica's parts, on the settings' registry (schema checked)."""
     db, catalog = _open_for_namespace(settings)
-    return ServiceParts(db, _job_queue(db, catalog, settings), ReplicaBook(db))
+    return ServiceParts(db, _job_queue(db, catalog, settings), ReplicaBook(db), WatchBook(db))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +127,7 @@ class RegistryParts:
     assemblies: Assemblies
     dashboard: DashboardReader
     replicas: ReplicaBook
+    watch_listings: WatchBook
 
 
 def registry_parts(db: Database, namespace: str, settings: Settings) -> RegistryParts:
@@ -138,6 +142,7 @@ def registry_parts(db: Database, namespace: str, settings: Settings) -> Registry
         assemblies=Assemblies(db, catalog),
         dashboard=DashboardReader(db, catalog),
         replicas=ReplicaBook(db),
+        watch_listings=WatchBook(db),
     )
 
 

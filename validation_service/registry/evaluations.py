@@ -307,9 +307,12 @@ def evaluation_request(
     validation_resources: dict | None,
     validator: str,
     priority: int,
+    *,
+    background: bool = True,
 ) -> ValidationRequest:
-    """The request of a revalidation: a background job of ``validator``. A validator with
-    a job_payload (CommandValidator) is stored as its reference and settings, no pickle."""
+    """The request of a revalidation: a background job of ``validator`` (a watched
+    folder's: a live one). A validator with a job_payload (CommandValidator) is stored
+    as its reference and settings, no pickle."""
     from validation_service.payloads import validation_request
     from validation_service.validate_fn import takes_config_as_keywords
 
@@ -335,7 +338,7 @@ def evaluation_request(
         timeout_s=timeout_s,
         max_attempts=3,
         validator=validator,
-        background=True,
+        background=background,
     )
 
 

@@ -20,6 +20,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     false,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -440,3 +441,75 @@ class CheckpointPart(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     reported_metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     registered_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Watch(Base):
+    """A folder the service lists for new step folders of a run (Registry.watch).
+
+    Claimed for each listing as a job is, under a lease and a fencing token, so that one
+    replica at a time lists it; ``request`` and the two payloads are the validation each
+    new step folder gets, signed for the watch (signing.watch_binding).
+    """
+
+    __tablename__ = "watches"
+    __table_args__ = (
+        # Two live watches of one folder into one run would register each step twice.
+        Index(
+            "uq_watches_live_folder",
+            "namespace",
+            "run_name",
+            "uri",
+            unique=True,
+            sqlite_where=text("removed_at IS NULL"),
+            postgresql_where=text("removed_at IS NULL"),
+        ),
+        Index("ix_watches_due", "removed_at", "next_listing_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    namespace: Mapped[str] = mapped_column(String(255))
+    run_name: Mapped[str] = mapped_column(String(255))
+    uri: Mapped[str] = mapped_column(Text)
+    validator: Mapped[str] = mapped_column(String(128))
+    # The ValidationRequest's fields but the two payloads (validate_fn ref, resources...).
+    request: Mapped[dict[str, Any]] = mapped_column()
+    validate_fn_pickle: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    validate_config: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    # "auto", "marker:NAME" or "stable:SECONDS" (watching.ReadyRule).
+    ready: Mapped[str] = mapped_column(String(300))
+    pattern: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    # Each step folder copied into ckval's storage before it is registered.
+    copy: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    removed_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    next_listing_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    lease_owner: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    lease_token: Mapped[int] = mapped_column(BigInteger, default=0)
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    last_listed_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    # Why the last listing registered nothing it should have (unreadable, a bad name...).
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class WatchedFolder(Base):
+    """One step folder a watch has seen: waiting (not ready yet, since ``first_seen_at``),
+    copying (copy=True: its report index reserved) or registered. Its primary key makes
+    each step folder of a watch registered once, whichever replica lists it."""
+
+    __tablename__ = "watched_folders"
+
+    watch_id: Mapped[int] = mapped_column(
+        ForeignKey("watches.id", ondelete="CASCADE"), primary_key=True
+    )
+    name: Mapped[str] = mapped_column(String(512), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16))
+    # What its files looked like at the last listing, and since when they look so.
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    first_seen_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    changed_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    report_index: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    checkpoint_id: Mapped[int | None] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="SET NULL"), nullable=True
+    )
+    registered_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)

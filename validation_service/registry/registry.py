@@ -32,6 +32,7 @@ from validation_service.registry import (
     retention,
     search,
     stopping,
+    watches,
 )
 from validation_service.registry.assemblies import AssemblyRecord
 from validation_service.registry.catalog import Mode, Ranking, check_run_name
@@ -97,6 +98,7 @@ class Registry(RegistryJobs):
         self.assemblies = parts.assemblies
         self.dashboard = parts.dashboard
         self.replicas = parts.replicas
+        self.watch_listings = parts.watch_listings
 
     # ----------------------------------------------------------------- schema
     def upgrade(self, revision: str = "head") -> None:
@@ -496,6 +498,54 @@ class Registry(RegistryJobs):
         its report index. The run is made (FINISHED) if it does not exist. Retention and
         ``ckval gc`` never delete such a folder."""
         return evaluations.register(self, run, uri, metrics, step)
+
+    # -------------------------------------------------------- watched folders
+    def watch(
+        self,
+        uri: str,
+        run: str,
+        validate_fn: Any,
+        *,
+        validator: str = DEFAULT_VALIDATOR,
+        validate_config: dict | None = None,
+        validation_resources: dict | None = None,
+        ready: str = "auto",
+        pattern: str | None = None,
+        copy: bool = False,
+    ) -> int:
+        """Has the running service follow a folder (a local path or any fsspec URI) that a
+        trainer saves step folders into; returns the watch's id.
+
+        Each new step folder (its step: the last integer of its name) is registered into
+        ``run`` once it is complete, in place (never copied, never deleted by gc, as
+        register()), with ``validate_fn`` as its validation under ``validator``; its
+        step is the metric "step". ``ready``: "auto" (a DCP ``.metadata`` or a Hugging
+        Face ``trainer_state.json`` in it, else nothing changed for CKVAL_WATCH_SETTLE_S),
+        "marker:NAME" or "stable:SECONDS". ``pattern``: a glob the step folders' names
+        match. ``copy=True`` copies each into ckval's storage first, so that the
+        trainer's own rotation cannot delete it before it is validated.
+        """
+        options = locals()
+        del options["self"], options["uri"], options["run"], options["validate_fn"]
+        return watches.watch(self, uri, run, validate_fn, **options)
+
+    @retry_on_disconnect
+    def unwatch(self, watch_id: int) -> None:
+        """Ends a watch: its folder is listed no more; what it registered stays."""
+        validation.check_int(watch_id, "watch id", 1, validation.INT32_MAX)
+        with self.db.write() as conn:
+            if watches.remove_watch(conn, self.namespace, watch_id):
+                return
+        raise InvalidInput(
+            f"no live watch {watch_id} in namespace {self.namespace!r}; `ckval watches` lists them"
+        )
+
+    @retry_on_disconnect
+    def watches(self, run: str | None = None) -> list[watches.WatchRecord]:
+        """The live watches (of ``run``), each with its step folders registered and those
+        still waiting to be complete (and since when)."""
+        with self.db.read() as session:
+            return watches.list_watches(session, self.namespace, run)
 
     def _ray_checkpoint(self, record: CheckpointRecord):
         from validation_service.storage import ray_checkpoint

@@ -26,6 +26,7 @@ from validation_service.registry.records import ClaimedJob, JobOutcome
 from validation_service.registry.wakeups import QueueListener
 from validation_service.retry import RetryPolicy
 from validation_service.service.warmth import WarmWorkers
+from validation_service.service.watcher import FolderWatcher
 from validation_service.sinks import SinkDispatcher
 
 if TYPE_CHECKING:
@@ -101,6 +102,8 @@ class Scheduler:
         }
         # Logs SUCCEEDED jobs' metrics to the configured trackers (MLflow, W&B), off the loop.
         self.sinks = SinkDispatcher.from_settings(settings, self.jobs, self.stats)
+        # Watched folders are listed on a thread of their own (service/watcher.py).
+        self.watcher = FolderWatcher(parts.watch_listings, settings, self.owner, self.wake)
 
     # ------------------------------------------------------------- controls
     def wake(self) -> None:
@@ -194,11 +197,13 @@ class Scheduler:
             self.recover()
         except Exception:  # noqa: BLE001 - leases also expire on their own
             logger.exception("recovering earlier leases failed")
+        self.watcher.start(self.owner_prefix)
         if QueueListener.applies_to(self.engine):
             self._listener = QueueListener(self.engine, self._notified).start()
         try:
             self._loop()
         finally:
+            self.watcher.stop()
             if self._listener is not None:
                 self._listener.stop()
         self._cancel_all()

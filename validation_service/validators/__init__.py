@@ -1,6 +1,8 @@
 """Validators: ready-made validate_fns for the patterns in the Ray docs (a Ray Data
 ``map_batches`` job, an eval-only ``TorchTrainer``), for Hugging Face checkpoints, and an
-outside program with a file contract (``CommandValidator``). They
+outside program with a file contract (``CommandValidator``); ``hf.load_model`` loads any
+Hugging Face or DCP folder, ``lm_eval.LMEvalValidator`` runs lm-evaluation-harness (both
+imported from their modules: they need the extras). They
 run inside an attempt; how an attempt runs is the executors' business."""
 
 from validation_service.validators.command import CommandValidator
