@@ -14,6 +14,7 @@ entering that call).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 import tempfile
 import threading
@@ -236,18 +237,27 @@ class ShardReporter:
             else:
                 target = storage.path_of(slot.uri)
                 persisted, conflicts = assemble(storage, target, parts, settings.shard_conflicts)
+            # One transaction registers the checkpoint and ends the assembly COMPLETE (and
+            # older groups' open ones INCOMPLETE); refused if it was given up meanwhile.
+            sealing = functools.partial(
+                assemblies.seal,
+                slot.assembly_id,
+                detail="; ".join(str(c) for c in conflicts) or None,
+                group_prefix=f"{shard.key.group.result()}-",
+            )
             with_backoff(
                 lambda: reporter.register(
-                    slot.report_index, persisted, parts[0].reported_metrics, shard.job
+                    slot.report_index,
+                    persisted,
+                    parts[0].reported_metrics,
+                    shard.job,
+                    through=sealing,
                 ),
                 timeout_s=settings.delivery_timeout_s,
             )
         except BaseException as exc:
             assemblies.end(slot.assembly_id, AssemblyStatus.INCOMPLETE, f"sealing failed: {exc}")
             raise
-        detail = "; ".join(str(c) for c in conflicts) or None
-        assemblies.end(slot.assembly_id, AssemblyStatus.COMPLETE, detail)
-        assemblies.give_up_other_groups(reporter.run_id, f"{shard.key.group.result()}-")
         return True
 
 
