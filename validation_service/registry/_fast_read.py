@@ -87,6 +87,8 @@ CHECKED_SETTINGS = frozenset(
         "delivery_timeout_s",
         "http_port",
         "allowed_modules",
+        "allowed_commands",
+        "max_queued_evaluations",
         "mlflow_allowed_uris",
         "deletable_roots",
         "mlflow_allowed_experiments",
