@@ -11,9 +11,10 @@ one checkpoint with its validation, in one transaction with the assembly's end
 lists, ranks or validates it; an assembly whose part never comes (its rank died) ends
 INCOMPLETE, and retention removes its files, never a folder a checkpoint row uses.
 
-An open assembly is given up only once it has been idle (no part stored, no seal begun)
-for ASSEMBLY_LEASE_S, except one still ASSEMBLING in an older worker group of the run,
-given up by the seal of a newer group's report (those ranks were replaced).
+An open assembly is given up only once no part has been stored in it for
+ASSEMBLY_LEASE_S (its seal begins right after its last part), except one still
+ASSEMBLING in an older worker group of the run, given up by the seal of a newer group's
+report (those ranks were replaced).
 """
 
 from __future__ import annotations
