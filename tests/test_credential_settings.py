@@ -80,7 +80,8 @@ def test_every_setting_is_classified_as_holding_credentials_or_not():
         "retry_backoff_s", "retry_backoff_max_s", "keep_warm", "delivery_timeout_s",
         "http_host", "http_port", "allowed_modules", "sink_attempts", "sink_backoff_s",
         "append", "api_hosts", "max_manual_retries", "mlflow_allowed_experiments",
-        "wandb_allowed_entities", "shard_conflicts",
+        "wandb_allowed_entities", "shard_conflicts", "allowed_commands",
+        "max_queued_evaluations",
     }  # fmt: skip
     classified = plain | set(CREDENTIAL_FIELDS) | set(SECRET_FIELDS)
     assert sorted(set(Settings.model_fields) - classified) == []

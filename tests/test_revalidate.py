@@ -142,8 +142,9 @@ def test_asking_again_queues_nothing_unless_forced(reg, settings, tmp_path, uniq
 
     assert len(forced) == 2 and not set(forced) & set(first)
     assert [job.report_index for job in settle(reg, settings, forced)] == [1, 3]
-    # report()'s own validator counts as already done too.
-    assert reg.revalidate(unique_run, read_value, validator="default") == []
+    # report()'s own validator is no evaluation over history: refused, nothing queued.
+    with pytest.raises(InvalidInput, match="report\\(\\)'s own validation"):
+        reg.revalidate(unique_run, read_value, validator="default", force=True)
 
 
 def test_a_failing_program_ends_failed_with_its_stderr_tail(reg, settings, tmp_path, unique_run):

@@ -5,6 +5,7 @@ in this process (an in-process scheduler, on a thread while the CLI waits)."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 
 import pytest
@@ -165,15 +166,21 @@ def test_the_api_revalidates_within_the_allowed_modules_and_ranks_by_validator(
 ):
     reported_run(tmp_path, settings, reg, unique_run)
     open_settings = settings.model_copy(update={"service_name": "ckval-api-test-none"})
-    allowed = open_settings.model_copy(
+    modules_only = open_settings.model_copy(
         update={
             "allowed_modules": ["tests.test_revalidate", "validation_service.validators.command"]
         }
     )
+    allowed = modules_only.model_copy(update={"allowed_commands": [sys.executable]})
     body = {"validator": "v2", "command": {"argv": program(tmp_path, PROGRAM)}}
 
     with TestClient(create_app(open_settings, reg), base_url="http://localhost") as client:
-        refused = client.post(f"/runs/{unique_run}/revalidate", json=body)
+        refused = client.post(
+            f"/runs/{unique_run}/revalidate",
+            json={"validator": "v2", "validate_fn": "tests.test_revalidate:read_value"},
+        )
+    with TestClient(create_app(modules_only, reg), base_url="http://localhost") as client:
+        no_program = client.post(f"/runs/{unique_run}/revalidate", json=body)
     with TestClient(create_app(allowed, reg), base_url="http://localhost") as client:
         queued = client.post(f"/runs/{unique_run}/revalidate", json=body)
         settle(reg, settings, queued.json()["job_ids"])
@@ -190,8 +197,15 @@ def test_the_api_revalidates_within_the_allowed_modules_and_ranks_by_validator(
         unknown = client.get(f"/runs/{unique_run}/best?metric=nope&validator=v2")
 
     assert refused.status_code == 403 and "CKVAL_ALLOWED_MODULES" in refused.json()["detail"]
+    assert no_program.status_code == 403
+    assert "CKVAL_ALLOWED_COMMANDS" in no_program.json()["detail"]
     assert queued.status_code == 200 and len(queued.json()["job_ids"]) == 5
-    assert again.json() == {"job_ids": [], "already": [0, 1, 2, 3, 4], "deleted": []}
+    assert again.json() == {
+        "job_ids": [],
+        "already": [0, 1, 2, 3, 4],
+        "deleted": [],
+        "over_budget": [],
+    }
     assert outside.status_code == 422 and "os:system" in outside.json()["detail"]
     assert both.status_code == 422
     assert [c["report_index"] for c in best.json()] == [3, 4]

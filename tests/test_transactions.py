@@ -15,6 +15,7 @@ from sqlalchemy.pool import Pool
 
 from trainer_integration import CheckpointUploadMode, Client
 from validation_service.config import get_settings
+from validation_service.registry.assemblies import ReportCall
 from validation_service.registry.registry import Registry
 from validation_service.request import ValidationRequest
 from validation_service.stopping import StopPolicy
@@ -57,6 +58,8 @@ def world(registry: Registry) -> Registry:
     return registry
 
 
+CALL = ReportCall("group", 1, 0, 2)  # one report() call of rank 0 of 2
+
 CALLS = {
     "checkpoints": lambda r: r.checkpoints("r"),
     "get_alias_record": lambda r: r.get_alias_record("r", "best"),
@@ -79,7 +82,8 @@ CALLS = {
     "ledger.register_checkpoint": lambda r: r.ledger.register_checkpoint(
         1, 7, uri="/ckpts/r/7", size_bytes=1, manifest_sha256=None, reported_metrics={}, job=JOB
     ),
-    "assemblies.join": lambda r: r.assemblies.join(1, "group-0", lambda i: f"/ckpts/r/{i}"),
+    "assemblies.join": lambda r: r.assemblies.join(1, CALL, lambda i: f"/ckpts/r/{i}"),
+    "assemblies.advance": lambda r: r.assemblies.advance(1, CALL),
     # What the dashboard and /metrics are given: the reader, one transaction a read.
     "dashboard.run_view": lambda r: r.dashboard.run_view("r"),
     "dashboard.run_page": lambda r: r.dashboard.run_page(metric="loss"),

@@ -15,6 +15,7 @@ Ray Train or torch.distributed is ever entered: those belong to the training cod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import tempfile
@@ -291,16 +292,24 @@ class ShardReporter:
             else:
                 target = storage.path_of(slot.uri)
                 persisted, conflicts = assemble(storage, target, parts, settings.shard_conflicts)
+            # One transaction registers the checkpoint and ends the assembly COMPLETE (and
+            # older groups' open ones INCOMPLETE); refused if it was given up meanwhile.
+            detail = "; ".join(str(c) for c in conflicts) or None
+            sealing = functools.partial(
+                assemblies.seal,
+                slot.assembly_id,
+                detail=detail,
+                group_prefix=f"{call.worker_group}-",
+            )
             with_backoff(
-                lambda: reporter.register(slot.report_index, persisted, metrics, job),
+                lambda: reporter.register(
+                    slot.report_index, persisted, metrics, job, through=sealing
+                ),
                 timeout_s=settings.delivery_timeout_s,
             )
         except BaseException as exc:
             assemblies.end(slot.assembly_id, AssemblyStatus.INCOMPLETE, f"sealing failed: {exc}")
             raise
-        detail = "; ".join(str(c) for c in conflicts) or None
-        assemblies.end(slot.assembly_id, AssemblyStatus.COMPLETE, detail)
-        assemblies.give_up_other_groups(reporter.run_id, f"{call.worker_group}-")
         return Sealed(slot.report_index, persisted.uri, True, detail)
 
     def _scan(self, checkpoint):

@@ -413,14 +413,21 @@ class RunReporter:
         persisted: PersistedCheckpoint,
         metrics: dict[str, Any],
         job: ValidationRequest | None,
+        *,
+        through: Callable[..., Any] | None = None,
     ):
-        return self._register_on(self.writer.ledger, self.run_id, index, persisted, metrics, job)
+        """Registers a stored checkpoint with its signed job; ``through``: the call that
+        writes it, in place of the ledger's register_checkpoint (a sharded report's seal,
+        Assemblies.seal, which takes the same arguments)."""
+        return self._register_on(
+            self.writer.ledger, self.run_id, index, persisted, metrics, job, through
+        )
 
-    def _register_on(self, ledger, run_id: int, index: int, persisted, metrics, job):
+    def _register_on(self, ledger, run_id: int, index: int, persisted, metrics, job, through=None):
         self._record_trackers(ledger, run_id)
         binding = job_binding(self.settings.namespace, self.run, index, persisted.uri)
         job = signed_request(job, self.trust, binding)
-        registration = ledger.register_checkpoint(
+        registration = (through or ledger.register_checkpoint)(
             run_id,
             index,
             uri=persisted.uri,

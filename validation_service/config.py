@@ -153,10 +153,11 @@ class Settings(BaseSettings):
     secret_key_previous: str | None = Field(default=None, repr=False)
     allowed_modules: Annotated[list[str] | None, NoDecode] = None
 
-    @field_validator("allowed_modules", mode="before")
+    @field_validator("allowed_modules", "allowed_commands", mode="before")
     @classmethod
     def _split_allowed_modules(cls, value: Any) -> Any:
-        # CKVAL_ALLOWED_MODULES is a JSON list or comma-separated; empty means unrestricted.
+        # CKVAL_ALLOWED_MODULES (CKVAL_ALLOWED_COMMANDS) is a JSON list or comma-separated;
+        # empty means unrestricted (no command over HTTP).
         if isinstance(value, str):
             text = value.strip()
             value = json.loads(text) if text.startswith("[") else text.split(",")
@@ -164,6 +165,15 @@ class Settings(BaseSettings):
             value = [str(item).strip() for item in value if str(item).strip()]
             return value or None
         return value
+
+    # Programs (argv[0], exactly as given) that a command sent to the HTTP API's
+    # POST /runs/{run}/revalidate may run (CKVAL_ALLOWED_COMMANDS, comma-separated or a
+    # JSON list); unset: the API runs no command. Separate from allowed_modules, which
+    # bounds what reporters' references import.
+    allowed_commands: Annotated[list[str] | None, NoDecode] = None
+    # Evaluations over history (revalidate) QUEUED or RUNNING per namespace beyond which
+    # the HTTP API queues no more (CKVAL_MAX_QUEUED_EVALUATIONS).
+    max_queued_evaluations: int = Field(default=10_000, ge=0)
 
     # Trackers that validated metrics are logged to: CKVAL_SINKS="mlflow,wandb" or a JSON
     # list such as [{"kind": "mlflow", "tracking_uri": "sqlite:///mlflow.db"}] (see sinks/).

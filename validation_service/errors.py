@@ -206,6 +206,22 @@ class ReportIndexTaken(CkvalError):
         )
 
 
+class AssemblyGivenUp(CkvalError):
+    """A sharded report's assembly ended INCOMPLETE before its sealing rank registered it."""
+
+    def __init__(self, run: str, report_index: int, detail: str | None):
+        self.run = run
+        self.report_index = report_index
+        self.detail = detail
+        reason = f" ({detail})" if detail else ""
+        super().__init__(
+            f"Report {report_index} of run {run} was given up before it was sealed{reason}: "
+            "its checkpoint was not registered, and retention removes its parts. Its ranks "
+            "stored their parts more than an hour before the seal, or the run was ended "
+            "meanwhile; report the step again."
+        )
+
+
 class ValidationFnError(CkvalError):
     """A validate_fn raised, or returned something that is not a metrics dict."""
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from validation_service._home import make_private_folders
 from validation_service.errors import InvalidInput, PayloadSignatureError
+from validation_service.jobs import DEFAULT_VALIDATOR
 
 if TYPE_CHECKING:
     from validation_service.config import Settings
@@ -110,10 +111,24 @@ def is_signed(data: bytes) -> bool:
     return data.startswith(PREFIX) and len(data) >= len(PREFIX) + MAC_SIZE
 
 
-def job_binding(namespace: str, run: str, report_index: int, uri: str) -> bytes:
+def job_binding(
+    namespace: str,
+    run: str,
+    report_index: int,
+    uri: str,
+    *,
+    validator: str = DEFAULT_VALIDATOR,
+    job_key: str | None = None,
+) -> bytes:
     """What a job's payloads are bound to: its checkpoint (namespace, run, report index,
-    URI), known to the reporter before the job is stored and to every attempt."""
-    return json.dumps([namespace, run, report_index, uri]).encode()
+    URI), known to the reporter before the job is stored and to every attempt, and for
+    a named evaluation's job its validator and its job key (the idempotency key), so
+    that a payload copied from one evaluation's job into the "default" job of the same
+    checkpoint (or into another evaluation's) never verifies. A checkpoint has one
+    "default" job, bound to the checkpoint alone (as it always was)."""
+    if validator == DEFAULT_VALIDATOR:
+        return json.dumps([namespace, run, report_index, uri]).encode()
+    return json.dumps([namespace, run, report_index, uri, validator, job_key]).encode()
 
 
 def form_binding(bound_to: bytes, validate_fn_ref: str | None) -> bytes:

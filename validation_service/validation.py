@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from validation_service.errors import InvalidInput, JobNotFound
-from validation_service.jobs import JobStatus
+from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus
 from validation_service.names import check_name
 
 # Column sizes: Integer is 32 bits on PostgreSQL, BigInteger 64 bits (SQLite stores both
@@ -28,11 +28,24 @@ MAX_BEST_K = 10_000
 # Ids are stored in integer columns: anything outside is no id.
 # Ids are 32-bit columns (PostgreSQL's integer): a larger id names no row.
 MAX_ID = INT32_MAX
+# Every text a job stores (an error message, a traceback, an attempt's log), in
+# characters: a longer one keeps its head and tail (capped_text).
+MAX_STORED_TEXT = 64 * 1024
 
 RESOURCE_KEYS = frozenset({"num_cpus", "num_gpus", "memory", "resources", "accelerator_type"})
 _NUMERIC_RESOURCES = ("num_cpus", "num_gpus", "memory")
 # Ray refuses these as custom resources: they have keyword arguments of their own.
 _RESERVED_CUSTOM_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+def capped_text(text: str | None) -> str | None:
+    """``text`` as a job stores it: at most MAX_STORED_TEXT characters, its head and tail
+    kept around a line that says how much was left out."""
+    if text is None or len(text) <= MAX_STORED_TEXT:
+        return text
+    keep = (MAX_STORED_TEXT - 80) // 2  # 80: room for the line between them
+    left_out = len(text) - 2 * keep
+    return f"{text[:keep]}\n[... {left_out} characters left out ...]\n{text[-keep:]}"
 
 
 def check_int(value: Any, what: str, low: int, high: int) -> int:
@@ -157,6 +170,24 @@ def check_request(request: Any) -> None:
         raise InvalidInput(f"coalesce must be None or 'latest', got {request.coalesce!r}")
     check_name("validator name", request.validator)
     check_flag("background", request.background)
+    if request.background:  # an evaluation over history (revalidate)
+        check_evaluation_name(request.validator)
+
+
+def check_evaluation_name(validator: Any) -> str:
+    """The name of an evaluation over history: a safe name, and never "default", which
+    is report()'s own validation: its results merge into the checkpoint's metrics, move
+    tracked aliases, drive stop policies and retention. A named evaluation feeds none
+    of them."""
+    check_name("validator name", validator)
+    if validator == DEFAULT_VALIDATOR:
+        raise InvalidInput(
+            f"validator {DEFAULT_VALIDATOR!r} is report()'s own validation, whose results "
+            "merge into the checkpoint's metrics and move aliases, stop policies and "
+            "retention: give this evaluation a name of its own, e.g. 'v2' or 'heldout'. "
+            "Nothing was queued."
+        )
+    return validator
 
 
 def check_checkpoint(checkpoint: Any) -> None:

@@ -41,6 +41,9 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 # Bind addresses that mean "every interface": not a name a client sends as Host.
 _WILDCARD_BIND = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# The body of a mutating request: read whole before any route runs, and refused (413)
+# beyond this, whatever Content-Length says (a chunked body is counted as it comes).
+MAX_BODY_BYTES = 1024 * 1024
 _WWW_AUTHENTICATE = 'Bearer realm="ckval"'
 
 
@@ -194,6 +197,8 @@ class ApiGuard:
        X-Requested-With header or a JSON body (see ``_cookie_may_mutate``).
     4. A mutating request has no body or a JSON one (415 otherwise): an HTML form can
        only send form or text bodies, so it cannot reach a route at all.
+    5. A mutating request's body is at most MAX_BODY_BYTES (413 otherwise), read here
+       before the route runs.
 
     A WebSocket handshake (a route added with ``@app.websocket`` after create_app, say)
     meets the same checks as a mutating request, since a browser sends the cookie along
@@ -227,6 +232,11 @@ class ApiGuard:
             else:
                 await refusal(scope, receive, send)
             return
+        if scope["type"] == "http" and scope.get("method") not in _SAFE_METHODS:
+            receive = await _bounded_body(receive, conn)
+            if receive is None:
+                await _too_large()(scope, _nothing_more, send)
+                return
         await self.app(scope, receive, _with_security_headers(send))
 
     def _refusal(self, conn: HTTPConnection) -> Response | None:
@@ -388,6 +398,48 @@ def _unsupported_body(conn: HTTPConnection) -> Response | None:
         "UnsupportedMediaType",
         f"Content-Type {conn.headers.get('content-type')!r} is not accepted: send no body, "
         "or a JSON one with `Content-Type: application/json`.",
+    )
+
+
+async def _bounded_body(receive: Receive, conn: HTTPConnection) -> Receive | None:
+    """A receive that hands the app the request's body, read whole here; None when it is
+    over MAX_BODY_BYTES (by its Content-Length, or as it came)."""
+    declared = conn.headers.get("content-length", "0")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return None
+    chunks: list[bytes] = []
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return receive  # the client went away: the app sees it as it would
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > MAX_BODY_BYTES:
+            return None
+        more = message.get("more_body", False)
+    replayed = False
+
+    async def replay() -> dict:
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+    return replay
+
+
+async def _nothing_more() -> dict:
+    return {"type": "http.disconnect"}
+
+
+def _too_large() -> Response:
+    return _error(
+        413,
+        "BodyTooLarge",
+        f"The request's body is over the {MAX_BODY_BYTES} bytes this API reads: send less "
+        "(a re-validation's validate_config names paths, not data).",
     )
 
 

@@ -35,7 +35,7 @@ from validation_service.metrics import encode_non_finite
 from validation_service.registry.records import RunRecord
 from validation_service.registry.registry import Registry
 from validation_service.stopping import StopPolicy
-from validation_service.validation import INT32_MAX, MAX_BEST_K
+from validation_service.validation import INT32_MAX, MAX_BEST_K, check_evaluation_name
 
 _STATUS = {
     RunNotFound: 404,
@@ -270,39 +270,72 @@ def _evaluation_routes(router: APIRouter, registry: Registry, settings: Settings
     @router.post("/runs/{run}/revalidate")
     @_answers_errors
     def revalidate(run: str, body: RevalidateBody) -> Response:
-        """Queues a named evaluation; only references inside CKVAL_ALLOWED_MODULES (a
-        command: when it names validation_service.validators.command)."""
+        """Queues a named evaluation, within the API's caps: a reference inside
+        CKVAL_ALLOWED_MODULES, or a command whose program CKVAL_ALLOWED_COMMANDS names."""
         from validation_service.registry import evaluations
-        from validation_service.validate_fn import check_module_allowed
-        from validation_service.validators.command import REFERENCE, CommandValidator
+        from validation_service.registry.evaluation_caps import RevalidationCaps
 
         if (body.validate_fn is None) == (body.command is None):
             raise InvalidInput("give one of validate_fn (a module:function reference) or command")
-        if not settings.allowed_modules:
-            return _json(
-                {
-                    "error": "Forbidden",
-                    "detail": "revalidation over HTTP runs only references inside "
-                    "CKVAL_ALLOWED_MODULES, and none is set: set it on the API's host "
-                    "(add validation_service.validators.command to allow commands), or "
-                    "use `ckval revalidate` or Registry.revalidate.",
-                },
-                403,
-            )
-        check_module_allowed(body.validate_fn or REFERENCE, settings.allowed_modules)
+        check_evaluation_name(body.validator)
+        refused = _refusal(body, settings)
+        if refused is not None:
+            return _json({"error": "Forbidden", "detail": refused}, 403)
         validate_fn: Any = body.validate_fn
         if body.command is not None:
+            from validation_service.validators.command import CommandValidator
+
             validate_fn = CommandValidator(body.command.argv, timeout_s=body.command.timeout_s)
         request = evaluations.evaluation_request(
             validate_fn, body.validate_config, None, body.validator, body.priority
         )
         done = evaluations.revalidate(
-            registry, run, request, reports=body.reports, force=body.force
+            registry,
+            run,
+            request,
+            reports=body.reports,
+            force=body.force,
+            caps=RevalidationCaps.for_http(settings),
         )
         return _json(
             {
                 "job_ids": done.job_ids,
                 "already": [index for _run, index in done.already],
                 "deleted": [index for _run, index in done.deleted],
+                "over_budget": [index for _run, index in done.over_budget],
             }
         )
+
+
+def _refusal(body: RevalidateBody, settings: Settings) -> str | None:
+    """Why the API may not run what ``body`` asks (a 403), or None. A reference must lie
+    inside CKVAL_ALLOWED_MODULES and may not be the command runner (a command comes as
+    ``command``); a command's program must be one that CKVAL_ALLOWED_COMMANDS names."""
+    from validation_service.validate_fn import check_module_allowed, import_validate_fn
+    from validation_service.validators.command import REFERENCE, run_command
+
+    if body.command is not None:
+        program = body.command.argv[0]
+        if program not in (settings.allowed_commands or []):
+            allowed = ", ".join(map(repr, settings.allowed_commands or [])) or "none is set"
+            return (
+                f"the HTTP API runs only the programs CKVAL_ALLOWED_COMMANDS names "
+                f"({allowed}), not {program!r}: add it there on the API's host (an "
+                "interpreter or a shell allowed there runs any code the caller sends), or "
+                "use `ckval revalidate` or Registry.revalidate."
+            )
+        if settings.allowed_modules:
+            check_module_allowed(REFERENCE, settings.allowed_modules)  # the service's list
+        return None
+    if not settings.allowed_modules:
+        return (
+            "revalidation over HTTP runs only references inside CKVAL_ALLOWED_MODULES, and "
+            "none is set: set it on the API's host, or use `ckval revalidate` or "
+            "Registry.revalidate."
+        )
+    if import_validate_fn(body.validate_fn, settings.allowed_modules) is run_command:
+        return (
+            f"{body.validate_fn!r} runs an outside program: send it as `command`, which the "
+            "API runs only for the programs CKVAL_ALLOWED_COMMANDS names."
+        )
+    return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -37,29 +38,63 @@ def _json_object(value: str | None, option: str) -> dict[str, Any] | None:
     return found
 
 
-def _validate_fn(validate_fn: str | None, command: str | None, timeout_s: float | None):
+def _validate_fn(options: dict[str, Any]):
+    validate_fn, command = options["validate_fn"], options["command"]
     if (validate_fn is None) == (command is None):
         raise click.UsageError("give one of --validate-fn module:fn or --command 'PROGRAM ARGS'")
     if command is None:
-        if timeout_s is not None:
-            raise click.UsageError("--timeout applies to --command only")
+        if options["timeout_s"] is not None or options["env"]:
+            raise click.UsageError("--timeout and --env apply to --command only")
         return validate_fn
     from validation_service.validators.command import CommandValidator
 
-    return CommandValidator(shlex.split(command), timeout_s=timeout_s)
+    env = dict(_assignment(item) for item in options["env"])
+    return CommandValidator(shlex.split(command), env=env, timeout_s=options["timeout_s"])
+
+
+def _assignment(item: str) -> tuple[str, str]:
+    name, equals, value = item.partition("=")
+    if not equals or not name:
+        raise click.BadParameter(f"{item!r}: give --env NAME=VALUE", param_hint="--env")
+    return name, value
+
+
+def _command_options(command: Callable) -> Callable:
+    """--command and its --timeout and --env."""
+    options = [
+        click.option(
+            "--command",
+            default=None,
+            help="An outside program instead, e.g. 'python eval.py {checkpoint_dir} "
+            "{result_path}' (placeholders: {checkpoint_dir} {output_dir} {step} "
+            "{result_path}). It runs without CKVAL_* variables or the node's secrets: "
+            "give it what it needs with --env.",
+        ),
+        click.option(
+            "--timeout", "timeout_s", type=float, default=None, help="--command's time limit."
+        ),
+        click.option(
+            "--env",
+            multiple=True,
+            metavar="NAME=VALUE",
+            help="A variable of --command's environment (stored with the job, in clear); "
+            "repeatable.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
 @click.command()
 @click.argument("runs", nargs=-1)
-@click.option("--validator", required=True, help="Name of this evaluation (not 'default').")
-@click.option("--validate-fn", default=None, metavar="MODULE:FN", help="The validate_fn.")
 @click.option(
-    "--command",
-    default=None,
-    help="An outside program instead, e.g. 'python eval.py {checkpoint_dir} {result_path}' "
-    "(placeholders: {checkpoint_dir} {output_dir} {step} {result_path}).",
+    "--validator",
+    required=True,
+    help="Name of this evaluation; never 'default' (report()'s own validation, refused).",
 )
-@click.option("--timeout", "timeout_s", type=float, default=None, help="--command's time limit.")
+@click.option("--validate-fn", default=None, metavar="MODULE:FN", help="The validate_fn.")
+@_command_options
 @click.option("--config", default=None, metavar="JSON", help="validate_config, a JSON object.")
 @click.option("--reports", default=None, metavar="0,3,7", help="Only these report indices.")
 @click.option("--filter", "filter_", default=None, metavar="EXPR", help="Only what search finds.")
@@ -72,7 +107,7 @@ def revalidate(ctx: click.Context, runs: tuple[str, ...], **options: Any) -> Non
     """Queue a named evaluation for the stored checkpoints of RUNS (or of --filter's)."""
     from validation_service.registry import evaluations
 
-    validate_fn = _validate_fn(options["validate_fn"], options["command"], options["timeout_s"])
+    validate_fn = _validate_fn(options)
     if not runs and options["filter_"] is None:
         raise click.UsageError("give RUN names, --filter EXPR, or both")
     reports = _report_indices(options["reports"])
@@ -158,7 +193,11 @@ def _wait(registry, validator: str, job_ids: list[int], timeout_s: float) -> Non
 def register(
     ctx: click.Context, run: str, path_or_uri: str, metrics: str | None, step: int | None
 ) -> None:
-    """Add an existing checkpoint folder to RUN without copying it (never deleted by gc)."""
+    """Add an existing checkpoint folder to RUN without copying it (never deleted by gc).
+
+    Inside ckval's storage root only a folder in RUN's own folder may be added; a folder
+    holding the root or CKVAL_HOME, and system folders, are refused. A URI may carry no
+    credentials: give them in CKVAL_STORAGE_OPTIONS."""
     index = registry_of(ctx).register(
         run, path_or_uri, metrics=_json_object(metrics, "--metrics"), step=step
     )

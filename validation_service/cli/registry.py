@@ -185,12 +185,12 @@ def gc_command(
     save: bool,
     as_json: bool,
 ) -> None:
-    """Delete the checkpoints of RUN (of every run when RUN is left out) that no --keep-*
-    rule keeps. Checkpoints with an alias, with a validation in flight, and each run's
-    latest are always kept. Files go only from inside a checkpoint's own run folder and
-    never from a folder another checkpoint uses; a NO_UPLOAD checkpoint outside the
-    storage root keeps its files. A checkpoint under no storage root of these settings
-    (CKVAL_STORAGE, CKVAL_DELETABLE_ROOTS) is kept whole and listed as such."""
+    """Delete the checkpoints of RUN (of every run of the namespace when RUN is left out)
+    that no --keep-* rule keeps: those with an alias or a validation in flight and each
+    run's latest stay. Files go only from inside a checkpoint's own run folder and never
+    from a folder another checkpoint uses; a NO_UPLOAD checkpoint outside the storage
+    root keeps its files; one under no storage root of these settings (CKVAL_STORAGE,
+    CKVAL_DELETABLE_ROOTS) is kept whole and listed as such."""
     registry = registry_of(ctx)
     rule = {
         "metric": metric,

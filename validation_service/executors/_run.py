@@ -27,6 +27,7 @@ from validation_service.validate_fn import (
     load_job_payloads,
     load_validate_fn,
 )
+from validation_service.validation import capped_text
 
 # Also importable from here, where they were first defined.
 __all__ = [
@@ -79,8 +80,8 @@ def run_attempt(
         return {
             "succeeded": False,
             "error_type": type(exc).__name__,
-            "error_message": storable_text(str(exc) or repr(exc)),
-            "error_traceback": storable_text(traceback.format_exc()),
+            "error_message": storable_text(capped_text(str(exc) or repr(exc))),
+            "error_traceback": storable_text(capped_text(traceback.format_exc())),
             "retryable": not isinstance(exc, _PERMANENT),
             "timed_out": isinstance(exc, ValidationTimedOut),
             "started_at": started_at,
@@ -151,7 +152,14 @@ def _payloads(job: ClaimedJob, trust: PayloadTrust) -> tuple[Any, dict[str, Any]
         job.validate_fn_pickle,
         job.validate_config,
         trust=trust,
-        bound_to=job_binding(job.namespace, job.run, job.report_index, job.uri),
+        bound_to=job_binding(
+            job.namespace,
+            job.run,
+            job.report_index,
+            job.uri,
+            validator=job.validator,
+            job_key=job.idempotency_key,
+        ),
         job_id=job.job_id,
     )
 

@@ -89,6 +89,8 @@ CHECKED_SETTINGS = frozenset(
         "watch_settle_s",
         "http_port",
         "allowed_modules",
+        "allowed_commands",
+        "max_queued_evaluations",
         "mlflow_allowed_uris",
         "deletable_roots",
         "mlflow_allowed_experiments",

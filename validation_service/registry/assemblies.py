@@ -9,10 +9,17 @@ assembly first, in the same transaction: the first to join reserves the report i
 and each stores its files into that index's folder as its part. Once every rank of the
 worker group has reported past the call and every rank that joined has stored its part,
 the lowest rank with a part seals the assembly: the parts become one folder, registered
-as one checkpoint with its validation. Until then nothing lists, ranks or validates it.
-An assembly with a failed part, or whose rank never comes (it died), ends INCOMPLETE,
-and retention removes its files. Nothing here waits for another rank: ranks learn of
+as one checkpoint with its validation in one transaction with the assembly's end
+(``seal``): a checkpoint row exists only for a COMPLETE assembly. Until then nothing
+lists, ranks or validates it. An assembly with a failed part, or whose rank never comes
+(it died), ends INCOMPLETE, and retention removes its files, never a folder a checkpoint
+row uses. Nothing here waits for another rank: ranks learn of
 each other through these rows, never through a collective.
+
+An open assembly is given up only once no part has been stored in it for
+ASSEMBLY_LEASE_S (its seal begins right after its last part), except one still
+ASSEMBLING in an older worker group of the run, given up by the seal of a newer group's
+report (those ranks were replaced).
 """
 
 from __future__ import annotations
@@ -22,12 +29,14 @@ import datetime as dt
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import and_, insert, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from validation_service.errors import AssemblyGivenUp
 from validation_service.jobs import AssemblyStatus, PartStatus, RunStatus
+from validation_service.registry import ledger
 from validation_service.registry.catalog import NamespaceRoom
 from validation_service.registry.database import retry_on_disconnect
 from validation_service.registry.models import (
@@ -37,8 +46,14 @@ from validation_service.registry.models import (
     Run,
     utcnow,
 )
+from validation_service.registry.records import Registration
+from validation_service.registry.retention import used_folders
 
 _OPEN = (AssemblyStatus.ASSEMBLING.value, AssemblyStatus.SEALING.value)
+# How long an open assembly stays open with no part stored since (its last part comes
+# right before its seal begins): a run that ended, or a newer worker group's seal, gives
+# it up only after that. A seal that comes later is refused (AssemblyGivenUp).
+ASSEMBLY_LEASE_S = 3600.0
 
 
 class Slot(NamedTuple):
@@ -227,6 +242,44 @@ class Assemblies(NamespaceRoom):
             return [p for p in _parts(conn, assembly_id) if p.status is PartStatus.STORED]
 
     @retry_on_disconnect
+    def seal(
+        self,
+        assembly_id: int,
+        run_id: int,
+        report_index: int,
+        *,
+        detail: str | None = None,
+        group_prefix: str | None = None,
+        **registered: Any,
+    ) -> Registration:
+        """Registers the checkpoint of a SEALING assembly (``registered``: the ledger's
+        register_checkpoint arguments, uri to job) and ends the assembly COMPLETE with
+        ``detail``, in one write transaction; the run's open assemblies of other worker
+        groups than ``group_prefix`` end INCOMPLETE in it (see give_up_other_groups).
+
+        Raises AssemblyGivenUp, registering nothing, when the assembly is no longer
+        SEALING (it was given up); the same seal repeated (its first commit's answer
+        lost) returns the first registration.
+        """
+        row = ledger.registration_row(run_id, report_index, **registered)
+        try:
+            with self.db.write() as conn:
+                sealed = _complete(conn, assembly_id, detail)
+                if sealed:
+                    checkpoint_id, job_id = ledger.register_in(conn, row, registered.get("job"))
+                    if group_prefix is not None:
+                        _give_up(conn, *_other_groups(run_id, group_prefix, _lease_cutoff()))
+                else:
+                    status, why, run = _state(conn, assembly_id)
+        except IntegrityError as exc:  # another checkpoint holds the index: nothing changed
+            return ledger.registered_before(self, run_id, report_index, row["uri"], exc)
+        if sealed:
+            return Registration(run_id, checkpoint_id, job_id, created=True)
+        if status == AssemblyStatus.COMPLETE.value:  # this seal's first try committed
+            return ledger.registered_before(self, run_id, report_index, row["uri"])
+        raise AssemblyGivenUp(run, report_index, why)
+
+    @retry_on_disconnect
     def end(self, assembly_id: int, status: AssemblyStatus, detail: str | None = None) -> None:
         """Ends a SEALING or ASSEMBLING assembly as COMPLETE or INCOMPLETE."""
         with self.db.write() as conn:
@@ -237,51 +290,58 @@ class Assemblies(NamespaceRoom):
             )
 
     @retry_on_disconnect
-    def give_up_other_groups(self, run_id: int, group_prefix: str) -> int:
+    def give_up_other_groups(
+        self, run_id: int, group_prefix: str, *, idle_s: float = ASSEMBLY_LEASE_S
+    ) -> int:
         """Ends as INCOMPLETE the run's open assemblies of other worker groups: once a
         report of this group is sealed, an earlier group's missing parts never come
-        (its workers were replaced). Returns how many ended."""
-        return self._give_up(
-            "a rank's part never came: its worker group was replaced",
-            CheckpointAssembly.run_id == run_id,
-            ~CheckpointAssembly.group_key.startswith(group_prefix, autoescape=True),
-        )
+        (its workers were replaced). One being sealed (SEALING) is left to its sealer
+        until it has been idle for ``idle_s``. Returns how many ended."""
+        with self.db.write() as conn:
+            return _give_up(conn, *_other_groups(run_id, group_prefix, _lease_cutoff(idle_s)))
 
     @retry_on_disconnect
-    def give_up_ended_runs(self, run_ids: list[int] | None = None) -> int:
-        """Ends as INCOMPLETE the open assemblies of runs that ended (FINISHED or FAILED):
-        no rank of theirs reports any more."""
-        ended = select(Run.id).where(Run.status != RunStatus.RUNNING.value)
+    def give_up_ended_runs(
+        self, run_ids: list[int] | None = None, *, idle_s: float = ASSEMBLY_LEASE_S
+    ) -> int:
+        """Ends as INCOMPLETE the open assemblies of this namespace's runs that ended
+        (FINISHED or FAILED; only ``run_ids`` when given) once they have been idle for
+        ``idle_s``: a rank may still store its part, and its seal come, for a while after
+        the run was ended. Returns how many ended."""
+        ended = select(Run.id).where(
+            Run.status != RunStatus.RUNNING.value, Run.namespace == self.catalog.namespace
+        )
         if run_ids is not None:
             ended = ended.where(Run.id.in_(run_ids))
-        return self._give_up(
-            "a rank's part never came: the run ended first",
-            CheckpointAssembly.run_id.in_(ended),
-        )
-
-    def _give_up(self, detail: str, *where: Any) -> int:
-        """Ends as INCOMPLETE, with ``detail``, the open assemblies ``where`` selects."""
         with self.db.write() as conn:
-            return conn.execute(
-                update(CheckpointAssembly)
-                .where(*where, CheckpointAssembly.status.in_(_OPEN))
-                .values(status=AssemblyStatus.INCOMPLETE.value, detail=detail, ended_at=utcnow())
-            ).rowcount
+            return _give_up(
+                conn,
+                "a rank's part never came: the run ended first",
+                CheckpointAssembly.run_id.in_(ended),
+                _idle_since(_lease_cutoff(idle_s)),
+            )
 
     @retry_on_disconnect
     def incomplete_to_delete(self, run_ids: list[int] | None = None) -> list[tuple]:
-        """(assembly id, folder URI, run name, namespace, storage root) of INCOMPLETE
-        assemblies whose files are still there."""
+        """(assembly id, folder URI, run name, namespace, storage root) of this
+        namespace's INCOMPLETE assemblies whose files are still there, less those whose
+        folder a checkpoint record uses (its URI is the folder, lies in it or holds it)."""
         table = CheckpointAssembly
         query = (
             select(table.id, table.uri, Run.name, Run.namespace, Run.storage_root)
             .join(Run, Run.id == table.run_id)
-            .where(table.status == AssemblyStatus.INCOMPLETE.value, table.deleted_at.is_(None))
+            .where(
+                table.status == AssemblyStatus.INCOMPLETE.value,
+                table.deleted_at.is_(None),
+                Run.namespace == self.catalog.namespace,
+            )
         )
         if run_ids is not None:
             query = query.where(table.run_id.in_(run_ids))
         with self.db.read() as session:
-            return [tuple(row) for row in session.execute(query).all()]
+            found = [tuple(row) for row in session.execute(query).all()]
+            used = used_folders(session, [row[1] for row in found])
+        return [row for row in found if row[1].rstrip("/") not in used]
 
     @retry_on_disconnect
     def mark_deleted(self, assembly_id: int) -> None:
@@ -291,6 +351,67 @@ class Assemblies(NamespaceRoom):
                 .where(CheckpointAssembly.id == assembly_id)
                 .values(deleted_at=utcnow())
             )
+
+
+def _lease_cutoff(idle_s: float = ASSEMBLY_LEASE_S) -> dt.datetime:
+    return utcnow() - dt.timedelta(seconds=idle_s)
+
+
+def _idle_since(cutoff: dt.datetime) -> Any:
+    """The assemblies made before ``cutoff`` with no part stored since."""
+    table, parts = CheckpointAssembly, CheckpointPart
+    recent = select(parts.assembly_id).where(
+        parts.assembly_id == table.id, parts.registered_at >= cutoff
+    )
+    return and_(table.created_at < cutoff, ~recent.exists())
+
+
+def _other_groups(run_id: int, group_prefix: str, cutoff: dt.datetime) -> tuple:
+    """give_up_other_groups' detail and conditions: the run's open assemblies of other
+    worker groups, those being sealed only once idle since ``cutoff``."""
+    table = CheckpointAssembly
+    return (
+        "a rank's part never came: its worker group was replaced",
+        table.run_id == run_id,
+        ~table.group_key.startswith(group_prefix, autoescape=True),
+        or_(table.status == AssemblyStatus.ASSEMBLING.value, _idle_since(cutoff)),
+    )
+
+
+def _give_up(conn: Connection, detail: str, *where: Any) -> int:
+    """Ends as INCOMPLETE, with ``detail``, the open assemblies ``where`` selects."""
+    return conn.execute(
+        update(CheckpointAssembly)
+        .where(*where, CheckpointAssembly.status.in_(_OPEN))
+        .values(status=AssemblyStatus.INCOMPLETE.value, detail=detail, ended_at=utcnow())
+    ).rowcount
+
+
+def _state(conn: Connection, assembly_id: int) -> tuple[str, str | None, str]:
+    """(status, detail, run name) of an assembly."""
+    table = CheckpointAssembly
+    return tuple(
+        conn.execute(
+            select(table.status, table.detail, Run.name)
+            .join(Run, Run.id == table.run_id)
+            .where(table.id == assembly_id)
+        ).one()
+    )
+
+
+def _complete(conn: Connection, assembly_id: int, detail: str | None) -> bool:
+    """SEALING -> COMPLETE, in the seal's transaction (on PostgreSQL the row stays locked
+    to its end, so that a give-up waits and then finds it COMPLETE); False when it was
+    not SEALING."""
+    table = CheckpointAssembly
+    return (
+        conn.execute(
+            update(table)
+            .where(table.id == assembly_id, table.status == AssemblyStatus.SEALING.value)
+            .values(status=AssemblyStatus.COMPLETE.value, detail=detail, ended_at=utcnow())
+        ).rowcount
+        == 1
+    )
 
 
 def not_complete(session: Session, run_ids: list[int]) -> list[AssemblyRecord]:

@@ -4,9 +4,9 @@ A checkpoint's first validation is the one its report() asked for: the "default"
 validator, whose metrics merge into the checkpoint's own (catalog.merge_validated).
 ``revalidate`` queues another evaluation, under a name of its own, over checkpoints
 already stored; its results stay apart, one evaluation_metrics row per (checkpoint,
-validator, metric), and are ranked on their own (``best``). ``register`` adds a folder
-made outside training (a released model, a Hugging Face folder) as a checkpoint that
-any evaluation can validate and that retention never deletes.
+validator, metric), and are ranked on their own (``best``); they never feed the merge,
+aliases, stop policies or retention, so "default" is never the name of one. A folder
+made outside training joins a run through registry/outside_folders.py.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from typing import Any
 from sqlalchemy import bindparam, delete, func, insert, select
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection, Row
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from validation_service.errors import InvalidInput, UnknownMetric
-from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus, RunStatus, ValidationStatus
-from validation_service.metrics import normalize_metrics, rankable
+from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus
+from validation_service.metrics import rankable
 from validation_service.names import check_name
-from validation_service.registry import aliases, registration, transitions
+from validation_service.registry import aliases, transitions
 from validation_service.registry.catalog import RECORD_COLUMNS, Ranking, checkpoint_record
+from validation_service.registry.evaluation_caps import RevalidationCaps
 from validation_service.registry.limits import IDS_PER_IN_LIST
 from validation_service.registry.models import (
     Checkpoint,
@@ -40,7 +40,11 @@ from validation_service.registry.records import CheckpointRecord, with_evaluatio
 from validation_service.registry.wakeups import wake_replicas
 from validation_service.request import ValidationRequest
 from validation_service.signing import PayloadTrust, job_binding
-from validation_service.validation import check_flag, check_report_index, check_step
+from validation_service.validation import (
+    check_evaluation_name,
+    check_flag,
+    check_report_index,
+)
 
 _jobs, _checkpoints, _values = (
     ValidationJob.__table__,
@@ -55,11 +59,13 @@ HAS_EVALUATION = (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.SUCCEEDED)
 @dataclasses.dataclass(frozen=True)
 class Revalidation:
     """What one revalidate() did: the jobs it queued, and the checkpoints it passed over
-    as (run, report index): those with a job of the validator already, and deleted ones."""
+    as (run, report index): those with a job of the validator already, deleted ones, and
+    (with caps) those whose jobs of the validator used up their budget."""
 
     job_ids: list[int]
     already: list[tuple[str, int]]
     deleted: list[tuple[str, int]]
+    over_budget: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,15 +147,23 @@ def queue_jobs(
     batch = secrets.token_hex(6)
     rows = []
     for target in found:
-        bound_to = job_binding(namespace, target.run, target.report_index, target.uri)
+        job_key = (
+            f"run:{target.run_id}/report:{target.report_index}/"
+            f"validator:{request.validator}/{batch}"
+        )
+        bound_to = job_binding(
+            namespace,
+            target.run,
+            target.report_index,
+            target.uri,
+            validator=request.validator,
+            job_key=job_key,
+        )
         signed = signed_request(request, trust, bound_to=bound_to)
         row = transitions.enqueue_row(
             signed, target.checkpoint_id, target.run_id, target.report_index, now
         )
-        row["idempotency_key"] = (
-            f"run:{target.run_id}/report:{target.report_index}/"
-            f"validator:{request.validator}/{batch}"
-        )
+        row["idempotency_key"] = job_key
         rows.append(row)
     if not rows:
         return []
@@ -292,15 +306,6 @@ def active_jobs(session: Session, run_id: int | None, validator: str) -> int:
     return len(session.execute(query.limit(1)).all())
 
 
-def external_row(run_id: int, report_index: int, uri: str, size_bytes: int, metrics, step):
-    """The checkpoints row of a folder registered from outside training."""
-    from validation_service.registry.catalog import checkpoint_row
-
-    row = checkpoint_row(run_id, report_index, step, None, uri, size_bytes, None, metrics)
-    row.update(created_at=utcnow(), validation_status=ValidationStatus.NONE.value, external=True)
-    return row
-
-
 def evaluation_request(
     validate_fn: Any,
     validate_config: dict | None,
@@ -310,13 +315,17 @@ def evaluation_request(
     *,
     background: bool = True,
 ) -> ValidationRequest:
-    """The request of a revalidation: a background job of ``validator`` (a watched
-    folder's: a live one). A validator with a job_payload (CommandValidator) is stored
-    as its reference and settings, no pickle."""
+    """The request of a revalidation: a background job of ``validator``, never named
+    "default" (a watched folder's: a live one, which may be the folders' "default"
+    validation, as a report's). A validator with a job_payload (CommandValidator) is
+    stored as its reference and settings, no pickle."""
     from validation_service.payloads import validation_request
     from validation_service.validate_fn import takes_config_as_keywords
 
-    check_name("validator name", validator)
+    if background:
+        check_evaluation_name(validator)
+    else:
+        check_name("validator name", validator)
     timeout_s = None
     if hasattr(validate_fn, "job_payload"):
         if validate_config:
@@ -349,11 +358,16 @@ def revalidate(
     *,
     reports: Sequence[int] | None,
     force: bool,
+    caps: RevalidationCaps | None = None,
 ) -> Revalidation:
     """Queues ``request`` for the stored checkpoints of one run, a list of runs, or a
     search() result (only ``reports``, when given), in one write transaction. See
-    Registry.revalidate."""
+    Registry.revalidate. ``caps``: the bounds of the HTTP API (evaluation_caps.py),
+    checked before anything is queued."""
     check_flag("force", force)
+    check_evaluation_name(request.validator)
+    if caps is not None:
+        caps.check_request(request)
     runs, checkpoint_ids = _named_targets(run_or_runs)
     if reports is not None:
         reports = [check_report_index(index) for index in reports]
@@ -366,11 +380,17 @@ def revalidate(
         live = [t for t in found if not t.deleted]
         done = set() if force else evaluated_ids(conn, request.validator, live)
         todo = [t for t in live if t.checkpoint_id not in done]
+        spent: set[int] = set()
+        if caps is not None:
+            spent = caps.spent_ids(conn, request.validator, todo)
+            todo = [t for t in todo if t.checkpoint_id not in spent]
+            caps.check_room(conn, registry.namespace, len(todo))
         job_ids = queue_jobs(conn, registry.namespace, request, trust, todo)
     return Revalidation(
         job_ids,
         already=[(t.run, t.report_index) for t in live if t.checkpoint_id in done],
         deleted=[(t.run, t.report_index) for t in found if t.deleted],
+        over_budget=[(t.run, t.report_index) for t in live if t.checkpoint_id in spent],
     )
 
 
@@ -387,41 +407,6 @@ def _named_targets(run_or_runs: Any) -> tuple[list[str], list[int] | None]:
         "revalidate takes a run name, a list of run names, or the checkpoints a search() "
         f"returned, got {run_or_runs!r}"
     )
-
-
-def register(registry, run: str, uri: Any, metrics: dict | None, step: int | None):
-    """Registry.register: the folder checked, then the run (made if need be), its report
-    index and the checkpoint's row in one write transaction."""
-    from validation_service.storage import outside_folder
-
-    check_name("run name", run)
-    if not isinstance(uri, str) or not uri.strip():
-        raise InvalidInput(f"register needs the folder's path or URI as a str, got {uri!r}")
-    reported = normalize_metrics(metrics or {}, what="metrics")
-    check_step(step)
-    location, size = outside_folder(uri, registry.settings.storage_options)
-    catalog = registry.catalog
-    for _ in range(3):
-        try:
-            with registry.db.write() as conn:
-                run_id = catalog.run_id(conn, run)
-                if run_id is None:  # a run of its own, ended: no report goes on in it
-                    storage_root = registry.settings.resolved_storage()
-                    run_id = catalog.insert_run(
-                        conn,
-                        run,
-                        storage_root=storage_root,
-                        tags=None,
-                        attempt=1,
-                        status=RunStatus.FINISHED,
-                    )
-                report_index = catalog.reserve_report_index(conn, run_id)
-                row = external_row(run_id, report_index, location, size, reported, step)
-                registration.register(conn, row, None)
-            return report_index
-        except IntegrityError:
-            continue  # the run was made meanwhile by another writer: use it
-    raise RuntimeError(f"could not create or find run {run!r}")
 
 
 def best_records(session: Session, catalog, run, attempt, ranking: Ranking):

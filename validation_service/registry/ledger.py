@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from validation_service import validation
@@ -181,50 +182,29 @@ class Ledger(NamespaceRoom):
         reserve_report_index(); an index chosen by the caller moves the run's counter
         past it.
         """
-        metrics = normalize_metrics(reported_metrics, what="reported metrics")
-        validation.check_step(step)
-        validation.check_epoch(epoch)
-        now = utcnow()
-        row = checkpoint_row(
-            run_id, report_index, step, epoch, uri, size_bytes, manifest_sha256, metrics
+        row = registration_row(
+            run_id,
+            report_index,
+            uri=uri,
+            size_bytes=size_bytes,
+            manifest_sha256=manifest_sha256,
+            reported_metrics=reported_metrics,
+            step=step,
+            epoch=epoch,
+            job=job,
         )
-        row.update(created_at=now, validation_status=transitions.registered_status(job))
-        coalescing = job is not None and job.coalesce == "latest"
         try:
             # The common case is a new report: insert straight away and let the unique
             # constraints catch a repeated one.
-            if not coalescing:
+            if job is None or job.coalesce != "latest":
                 with self.db.one_statement() as conn:
                     checkpoint_id, job_id = registration.register(conn, row, job)
             else:
                 with self.db.write() as conn:
-                    checkpoint_id, job_id = registration.register(conn, row, job)
-                    transitions.cancel(
-                        conn,
-                        queue.queued_before(conn, run_id, report_index),
-                        error_type="Coalesced",
-                        message=f"skipped: report {report_index} of the run superseded it "
-                        "(coalesce='latest')",
-                        now=now,
-                    )
+                    checkpoint_id, job_id = register_in(conn, row, job)
         except IntegrityError as exc:
-            return self._registered_before(run_id, report_index, uri, exc)
+            return registered_before(self, run_id, report_index, uri, exc)
         return Registration(run_id, checkpoint_id, job_id, created=True)
-
-    def _registered_before(
-        self, run_id: int, report_index: int, uri: str, exc: IntegrityError
-    ) -> Registration:
-        """The same run + report index was registered before (or concurrently)."""
-        with self.db.read() as session:
-            existing = self.catalog.find_checkpoint(session, run_id, report_index)
-            if existing is None:
-                # Some other constraint (a run that is gone, say): not a repeat.
-                raise RegistryRejected(self.db.display_url, exc) from exc
-            checkpoint_id, existing_uri, run_name = existing
-            if existing_uri != uri:
-                raise ReportIndexTaken(run_name, report_index, uri, existing_uri) from None
-            job_id = queue.find_job_id(session, run_id, report_index)
-        return Registration(run_id, checkpoint_id, job_id, created=False)
 
     def import_checkpoints(self, run_id: int, checkpoints: Sequence[dict[str, Any]]) -> int:
         """Registers many already-stored checkpoints at once, without validation jobs.
@@ -257,3 +237,69 @@ class Ledger(NamespaceRoom):
         """Refreshes the planner's statistics (after a bulk import; autovacuum does it later)."""
         with self.db.autocommit() as conn:
             conn.exec_driver_sql(raw_sql.ANALYZE)
+
+
+def registration_row(run_id: int, report_index: int, **registered: Any) -> dict[str, Any]:
+    """The checkpoints row of a report, its metrics, step and epoch checked, as
+    registration.register writes it; ``registered``: Ledger.register_checkpoint's
+    keyword arguments (``uri`` to ``job``)."""
+    metrics = normalize_metrics(registered["reported_metrics"], what="reported metrics")
+    step, epoch = registered.get("step"), registered.get("epoch")
+    validation.check_step(step)
+    validation.check_epoch(epoch)
+    row = checkpoint_row(
+        run_id,
+        report_index,
+        step,
+        epoch,
+        registered["uri"],
+        registered["size_bytes"],
+        registered["manifest_sha256"],
+        metrics,
+    )
+    job = registered.get("job")
+    row.update(created_at=utcnow(), validation_status=transitions.registered_status(job))
+    return row
+
+
+def register_in(
+    conn: Connection, row: dict[str, Any], job: ValidationRequest | None
+) -> tuple[int, int | None]:
+    """registration.register in the caller's write transaction, and with
+    ``coalesce="latest"`` the cancel of the run's older QUEUED jobs; returns (checkpoint
+    id, job id or None)."""
+    checkpoint_id, job_id = registration.register(conn, row, job)
+    if job is not None and job.coalesce == "latest":
+        run_id, report_index = row["run_id"], row["report_index"]
+        transitions.cancel(
+            conn,
+            queue.queued_before(conn, run_id, report_index),
+            error_type="Coalesced",
+            message=f"skipped: report {report_index} of the run superseded it (coalesce='latest')",
+            now=row["created_at"],
+        )
+    return checkpoint_id, job_id
+
+
+def registered_before(
+    room: NamespaceRoom,
+    run_id: int,
+    report_index: int,
+    uri: str,
+    exc: IntegrityError | None = None,
+) -> Registration:
+    """The registration of a report made before (or concurrently) at the same run and
+    report index, when it is this report (the same URI); ReportIndexTaken when another
+    checkpoint holds the index; RegistryRejected when ``exc`` (the insert's error) was
+    no repeat at all."""
+    with room.db.read() as session:
+        existing = room.catalog.find_checkpoint(session, run_id, report_index)
+        if existing is None:
+            # Some other constraint (a run that is gone, say): not a repeat.
+            cause = exc or LookupError(f"no checkpoint at report index {report_index}")
+            raise RegistryRejected(room.db.display_url, cause) from exc
+        checkpoint_id, existing_uri, run_name = existing
+        if existing_uri != uri:
+            raise ReportIndexTaken(run_name, report_index, uri, existing_uri) from None
+        job_id = queue.find_job_id(session, run_id, report_index)
+    return Registration(run_id, checkpoint_id, job_id, created=False)

@@ -13,6 +13,7 @@ import operator
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from validation_service.jobs import DEFAULT_VALIDATOR
 from validation_service.stopping import StopPolicy
 
 
@@ -246,6 +247,10 @@ class ClaimedJob:
     # attempt may run again (what the retry policy decides from).
     attempts_before_retry: int = 0
     retry_on_timeout: bool = False
+    # The evaluation the job belongs to and its key: a named evaluation's payloads are
+    # signed for both (signing.job_binding).
+    validator: str = DEFAULT_VALIDATOR
+    idempotency_key: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ from validation_service.registry import (
     assemblies,
     composition,
     evaluations,
+    outside_folders,
     queue,
     retention,
     search,
@@ -497,7 +498,7 @@ class Registry(RegistryJobs):
         without copying it, so that revalidate() can evaluate it like any other; returns
         its report index. The run is made (FINISHED) if it does not exist. Retention and
         ``ckval gc`` never delete such a folder."""
-        return evaluations.register(self, run, uri, metrics, step)
+        return outside_folders.register(self, run, uri, metrics, step)
 
     # -------------------------------------------------------- watched folders
     def watch(

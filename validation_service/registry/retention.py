@@ -215,24 +215,31 @@ def mark_deleted(conn: Connection, ids: list[int], now: dt.datetime) -> set[int]
 def shared_folders(session: Session, deleted: list[Candidate]) -> set[int]:
     """Ids of the deleted checkpoints whose folder a checkpoint record that is not
     deleted still uses: its URI is that folder, lies inside it, or contains it."""
-    shared: set[int] = set()
-    for start in range(0, len(deleted), 200):
-        chunk = {c.record.id: c.record.uri.rstrip("/") for c in deleted[start : start + 200]}
-        ancestors = {a for uri in chunk.values() for a in _ancestors(uri)}
+    used = used_folders(session, [c.record.uri for c in deleted])
+    return {c.record.id for c in deleted if c.record.uri.rstrip("/") in used}
+
+
+def used_folders(session: Session, uris: list[str]) -> set[str]:
+    """The folders among ``uris`` (without a trailing '/') that a checkpoint record that
+    is not deleted uses: its URI is that folder, lies inside it, or contains it."""
+    used_ones: set[str] = set()
+    for start in range(0, len(uris), 200):
+        chunk = {uri.rstrip("/") for uri in uris[start : start + 200]}
+        ancestors = {a for uri in chunk for a in _ancestors(uri)}
         rows = session.scalars(
             select(Checkpoint.uri).where(
                 Checkpoint.deleted_at.is_(None),
                 or_(
-                    Checkpoint.uri.in_(sorted(ancestors | set(chunk.values()))),
-                    *[Checkpoint.uri.startswith(u + "/", autoescape=True) for u in chunk.values()],
+                    Checkpoint.uri.in_(sorted(ancestors | chunk)),
+                    *[Checkpoint.uri.startswith(u + "/", autoescape=True) for u in chunk],
                 ),
             )
         )
         used = {uri.rstrip("/") for uri in rows}
-        for checkpoint_id, uri in chunk.items():
+        for uri in chunk:
             if uri in used or used & set(_ancestors(uri)) or any(_under(u, uri) for u in used):
-                shared.add(checkpoint_id)
-    return shared
+                used_ones.add(uri)
+    return used_ones
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,7 @@ from validation_service.registry.records import JobOutcome
 from validation_service.registry.wakeups import wake_replicas
 from validation_service.request import ValidationRequest
 from validation_service.retry import counted_from_after_retry
+from validation_service.validation import capped_text
 
 _jobs, _checkpoints, _attempts = (
     ValidationJob.__table__,
@@ -205,10 +206,12 @@ def finish(
     if status is JobStatus.SUCCEEDED:
         values: dict[str, Any] = {"result_metrics": result_metrics, **_NO_ERROR}
     else:
+        # Capped however the executor made them: an attempt's output is not the
+        # registry's to hold whole (a program can write gigabytes to its stderr).
         values = {
             "error_type": outcome.error_type,
-            "error_message": outcome.error_message,
-            "error_traceback": outcome.error_traceback,
+            "error_message": capped_text(outcome.error_message),
+            "error_traceback": capped_text(outcome.error_traceback),
         }
         if status is JobStatus.QUEUED:
             values["not_before"] = not_before or now
@@ -230,8 +233,8 @@ def finish(
             "worker_pid": outcome.worker_pid,
             "started_at": outcome.started_at,
             "finished_at": outcome.finished_at or now,
-            "error_message": None if outcome.succeeded else outcome.error_message,
-            "log": outcome.log,
+            "error_message": None if outcome.succeeded else capped_text(outcome.error_message),
+            "log": capped_text(outcome.log),
         },
     )
 
@@ -460,6 +463,8 @@ _CLAIMED_JOBS = (
         _jobs.c.resources,
         _jobs.c.pool,
         _jobs.c.timeout_s,
+        _jobs.c.validator,
+        _jobs.c.idempotency_key,
         _checkpoints.c.id.label("checkpoint_id"),
         _checkpoints.c.report_index,
         _checkpoints.c.uri,

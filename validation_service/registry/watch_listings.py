@@ -23,8 +23,8 @@ from validation_service.jobs import DEFAULT_VALIDATOR, WatchedFolderState
 from validation_service.registry import registration, transitions
 from validation_service.registry.catalog import Catalog
 from validation_service.registry.database import Database, retry_on_disconnect
-from validation_service.registry.evaluations import external_row
 from validation_service.registry.models import Checkpoint, Watch, WatchedFolder, utcnow
+from validation_service.registry.outside_folders import external_row
 from validation_service.request import ValidationRequest
 from validation_service.signing import (
     VALIDATE_CONFIG,
@@ -354,8 +354,16 @@ def _register(conn: Connection, watch: ClaimedWatch, row: dict, key, trust: Payl
     id. The step folder's row points at the checkpoint."""
     from validation_service.payloads import signed_request
 
-    bound_to = job_binding(watch.namespace, watch.run, row["report_index"], row["uri"])
-    request = signed_request(watch_request(watch, trust), trust, bound_to=bound_to)
+    request = watch_request(watch, trust)
+    bound_to = job_binding(
+        watch.namespace,
+        watch.run,
+        row["report_index"],
+        row["uri"],
+        validator=request.validator,
+        job_key=transitions.idempotency_key(row["run_id"], row["report_index"]),
+    )
+    request = signed_request(request, trust, bound_to=bound_to)
     mirrored = request if request.validator == DEFAULT_VALIDATOR else None
     row["validation_status"] = transitions.registered_status(mirrored)
     checkpoint_id, job_id = registration.register(conn, row, request)

@@ -1,18 +1,22 @@
 """CommandValidator: an outside program as a validator, with a small file contract.
 
 The program runs once per checkpoint, in the validation's Ray task, with the checkpoint's
-files on local disk. Its argv may name four placeholders, replaced where they occur:
+files on local disk. Its argv may name four placeholders, each replaced in one pass (a
+value that holds a placeholder's text is not replaced again):
 
 - ``{checkpoint_dir}``: the local folder holding the checkpoint's files;
 - ``{output_dir}``: an empty folder the program may write into (removed afterwards);
 - ``{step}``: the checkpoint's report index;
 - ``{result_path}``: where the program writes its result, as JSON: ``{"metrics": {...}}``
-  (a ``"step"`` key beside it is allowed) or a flat object of numbers.
+  (a ``"step"`` key beside it is allowed) or a flat object of numbers, at most
+  MAX_RESULT_BYTES.
 
 Exit code 0 with a readable result is a success; any other exit code, or no readable
 result, fails the job with the last lines of the program's standard error; past
 ``timeout_s`` the program's whole process group is killed and the job ends TIMED_OUT.
-Its standard output and error are kept with the attempt (``ckval job N --log``).
+A bounded head and tail of its standard output and error are kept with the attempt
+(``ckval job N --log``). The program's environment holds no CKVAL_* variable and no
+secret of the node (validators/_program.py), only what ``env`` adds.
 
 A job of a CommandValidator stores no pickle: only the reference to ``run_command`` and
 the argv, env and timeout as its validate_config, signed like any payload.
@@ -22,18 +26,26 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
+import re
+import stat
 import tempfile
 from typing import Any
 
 from validation_service.context import current_validation
 from validation_service.errors import InvalidInput, PermanentValidationError, ValidationTimedOut
 from validation_service.validation import check_resources, check_timeout_s
+from validation_service.validators._program import program_environment, run_program
 
 REFERENCE = "validation_service.validators.command:run_command"
 PLACEHOLDERS = ("{checkpoint_dir}", "{output_dir}", "{step}", "{result_path}")
+_PLACEHOLDER = re.compile("|".join(re.escape(placeholder) for placeholder in PLACEHOLDERS))
+# What an error message quotes of the program's standard error: its last lines, each cut
+# to STDERR_LINE_CHARS.
 STDERR_TAIL_LINES = 50
+STDERR_LINE_CHARS = 500
+# The result file is read only up to this size: a result holds metrics (at most 1,000,
+# metrics.MAX_METRICS), not data.
+MAX_RESULT_BYTES = 1024 * 1024
 # The job's own time limit leaves the program's this much longer, so that the program is
 # killed (and its output kept) before the service gives up on the attempt.
 JOB_TIMEOUT_GRACE_S = 30.0
@@ -42,8 +54,9 @@ JOB_TIMEOUT_GRACE_S = 30.0
 class CommandValidator:
     """Runs ``argv`` for each checkpoint (see the module's docstring for the contract).
 
-    ``env``: variables added to the program's environment (stored with the job: no
-    secrets); ``timeout_s``: the program's time limit; ``validation_resources``: what its
+    ``env``: variables added to the program's environment, which otherwise holds no
+    CKVAL_* variable and no secret of the node (stored with the job, in clear);
+    ``timeout_s``: the program's time limit; ``validation_resources``: what its
     Ray task reserves (default one CPU), e.g. ``{"num_gpus": 1}``.
     """
 
@@ -109,73 +122,47 @@ def _run(validator: CommandValidator, checkpoint: Any) -> dict[str, Any]:
             "{result_path}": result_path,
         }
         argv = [_substituted(arg, values) for arg in validator.argv]
-        returncode, stdout, stderr, timed_out = _execute(argv, validator, scratch)
+        env = program_environment(validator.env)
+        ran = run_program(argv, env, scratch, validator.timeout_s)
         if context is not None:
-            context.keep_output(_log_text(argv, returncode, stdout, stderr, timed_out))
-        if timed_out:
+            context.keep_output(
+                _log_text(argv, ran.returncode, ran.stdout, ran.stderr, ran.timed_out)
+            )
+        if ran.timed_out:
             raise ValidationTimedOut(
                 f"{argv[0]} ran past its timeout_s={validator.timeout_s:g}s and was killed "
-                f"with its process group.{_stderr_tail(stderr)}"
+                f"with its process group.{_stderr_tail(ran.stderr)}"
             )
-        if returncode != 0:
+        if ran.returncode != 0:
             raise PermanentValidationError(
-                f"{argv[0]} exited with code {returncode}.{_stderr_tail(stderr)}"
+                f"{argv[0]} exited with code {ran.returncode}.{_stderr_tail(ran.stderr)}"
             )
-        return _read_result(result_path, argv[0], stderr)
-
-
-def _execute(
-    argv: list[str], validator: CommandValidator, cwd: str
-) -> tuple[int | None, str, str, bool]:
-    """(exit code, stdout, stderr, timed out) of one run; its own session (process group),
-    killed whole on timeout or when the attempt is cancelled."""
-    env = {**os.environ, **validator.env}
-    try:
-        process = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-    except OSError as exc:
-        raise PermanentValidationError(
-            f"could not start {argv[0]!r} ({exc.strerror or exc}): give the program's full "
-            "path or a name on the PATH of the node that validates."
-        ) from None
-    try:
-        stdout, stderr = process.communicate(timeout=validator.timeout_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        _kill_group(process)
-        stdout, stderr = process.communicate()
-        timed_out = True
-    except BaseException:  # cancelled (KeyboardInterrupt in a Ray task): no orphans
-        _kill_group(process)
-        raise
-    decode = lambda data: data.decode("utf-8", errors="replace")  # noqa: E731
-    return process.returncode, decode(stdout), decode(stderr), timed_out
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        return _read_result(result_path, argv[0], ran.stderr)
 
 
 def _read_result(result_path: str, program: str, stderr: str) -> dict[str, Any]:
     """The metrics of the result file: {"metrics": {...}} or a flat object of numbers."""
     try:
-        with open(result_path, encoding="utf-8") as file:
-            result = json.load(file)
+        info = os.lstat(result_path)
     except FileNotFoundError:
         raise PermanentValidationError(
             f"{program} exited 0 but wrote no result to {{result_path}}: it must write "
             f'JSON such as {{"metrics": {{"accuracy": 0.9}}}} there.{_stderr_tail(stderr)}'
         ) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise PermanentValidationError(
+            f"{program}'s result at {{result_path}} is not a plain file (a link, a pipe or "
+            "a folder): write the JSON result into the file itself."
+        )
+    if info.st_size > MAX_RESULT_BYTES:
+        raise PermanentValidationError(
+            f"{program}'s result file is {info.st_size} bytes, over the {MAX_RESULT_BYTES} "
+            "bytes a result may have: it holds metrics only (at most 1,000); write other "
+            "output into {output_dir}. Nothing of it was read."
+        )
+    try:
+        with open(result_path, "rb") as file:
+            result = json.loads(file.read(MAX_RESULT_BYTES + 1).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PermanentValidationError(
             f"{program} exited 0 but its result file is not readable JSON ({exc})."
@@ -195,13 +182,16 @@ def _is_number(value: Any) -> bool:
 
 
 def _substituted(arg: str, values: dict[str, str]) -> str:
-    for placeholder, value in values.items():
-        arg = arg.replace(placeholder, value)
-    return arg
+    """``arg`` with every placeholder replaced in one pass: a value that holds a
+    placeholder's text (a checkpoint folder named "{output_dir}") stays as it is."""
+    return _PLACEHOLDER.sub(lambda found: values[found.group()], arg)
 
 
 def _stderr_tail(stderr: str) -> str:
-    lines = stderr.rstrip().splitlines()[-STDERR_TAIL_LINES:]
+    lines = [
+        line if len(line) <= STDERR_LINE_CHARS else line[:STDERR_LINE_CHARS] + " [line cut]"
+        for line in stderr.rstrip().splitlines()[-STDERR_TAIL_LINES:]
+    ]
     if not lines:
         return " It wrote nothing to its standard error."
     return f" The last {len(lines)} line(s) of its standard error:\n" + "\n".join(lines)
