@@ -73,6 +73,7 @@ def test_a_run_finished_while_parts_are_stored_keeps_them_for_its_seal(
         for rank in (0, 1)
     ]
     run_id = reporters[0].run_id
+    assert reporters[2].run_id == run_id  # rank 2 reported in this run before
     deadline = time.monotonic() + 60
     while [p.status.value for p in _parts(reg, run_id, 3)] != ["stored", "stored"]:
         assert time.monotonic() < deadline, "the two parts were never stored"
