@@ -47,6 +47,8 @@ from validation_service.registry.records import (
     RunRecord,
     RunSummary,
     StopDecision,
+    costs_by_run,
+    run_summaries,
     with_evaluations,
 )
 
@@ -98,6 +100,8 @@ CHECKED_SETTINGS = frozenset(
         "shard_conflicts",
         "api_hosts",
         "max_manual_retries",
+        "resource_wait_s",
+        "node_types",
     }
 )
 
@@ -217,12 +221,10 @@ class FastReader:
                 jobs.setdefault(run_id, {})[job_status] = count
             decisions = _named_rows(db.execute(_fast_sql.STOP_DECISIONS, namespace))
             stops = {row["run_id"]: _stop_decision(row) for row in decisions}
+            spent = costs_by_run(db.execute(_fast_sql.COST_PER_RUN, namespace))
         if status is not None:
             runs = [run for run in runs if run.status == status]
-        return [
-            RunSummary(run, checkpoints.get(run.id, 0), jobs.get(run.id, {}), stops.get(run.id))
-            for run in runs
-        ]
+        return run_summaries(runs, checkpoints, jobs, stops, spent)
 
     def _require_run_id(self, db: sqlite3.Connection, name: str) -> int:
         """As Catalog.require_run_id: the run's latest attempt, else RunNotFound."""
@@ -403,6 +405,7 @@ _DATETIMES = frozenset(
         "claimed_at",
         "decided_at",
         "overridden_at",
+        "waiting_since",
     }
 )
 _JSONS = frozenset(
@@ -417,6 +420,7 @@ _JSONS = frozenset(
         "metric_values",
         "skipped",
         "warnings",
+        "waiting_for",
     }
 )
 

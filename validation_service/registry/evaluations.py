@@ -23,7 +23,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from validation_service.errors import InvalidInput, UnknownMetric
-from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus, RunStatus, ValidationStatus
+from validation_service.jobs import (
+    ACTIVE_JOB_STATUSES,
+    DEFAULT_VALIDATOR,
+    JobStatus,
+    RunStatus,
+    ValidationStatus,
+)
 from validation_service.metrics import normalize_metrics, rankable
 from validation_service.names import check_name
 from validation_service.registry import aliases, registration, transitions
@@ -49,7 +55,7 @@ _jobs, _checkpoints, _values = (
 )
 # A checkpoint with a job of the validator in one of these is not queued again (force
 # queues it anyway); after FAILED, TIMED_OUT or CANCELLED, revalidate tries again.
-HAS_EVALUATION = (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.SUCCEEDED)
+HAS_EVALUATION = (*ACTIVE_JOB_STATUSES, JobStatus.SUCCEEDED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +291,7 @@ def known_metrics(session: Session, run_id: int | None, validator: str) -> set[s
 
 
 def active_jobs(session: Session, run_id: int | None, validator: str) -> int:
-    statuses = [JobStatus.QUEUED.value, JobStatus.RUNNING.value]
+    statuses = sorted(status.value for status in ACTIVE_JOB_STATUSES)
     query = select(_jobs.c.id).where(_jobs.c.validator == validator, _jobs.c.status.in_(statuses))
     if run_id is not None:
         query = query.where(_jobs.c.run_id == run_id)

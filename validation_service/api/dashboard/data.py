@@ -21,7 +21,7 @@ from validation_service.api.views import (
     stop_policy_json,
 )
 from validation_service.errors import InvalidInput
-from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus
+from validation_service.jobs import ACTIVE_JOB_STATUSES, DEFAULT_VALIDATOR, JobStatus
 from validation_service.registry.dashboard_reads import DashboardReader
 from validation_service.registry.records import CheckpointRecord
 from validation_service.registry.stats import Mode, RunPage, default_mode
@@ -33,7 +33,7 @@ MAX_COMPARED_RUNS = 20
 # data, refetched every 2 s while validations run, grows with checkpoints x metrics shown.
 METRICS_PER_PAGE = 50
 MAX_METRICS_PER_PAGE = 500
-_ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+_ACTIVE = frozenset(status.value for status in ACTIVE_JOB_STATUSES)
 
 
 def run_url(base: str, run: str) -> str:
@@ -53,6 +53,7 @@ def runs_json(page: RunPage, base: str) -> dict[str, Any]:
                 "validated": counts.get(JobStatus.SUCCEEDED.value, 0),
                 "queued": counts.get(JobStatus.QUEUED.value, 0),
                 "running": counts.get(JobStatus.RUNNING.value, 0),
+                "waiting": counts.get(JobStatus.WAITING_FOR_RESOURCES.value, 0),
                 "failed": counts.get(JobStatus.FAILED.value, 0)
                 + counts.get(JobStatus.TIMED_OUT.value, 0),
                 "best": _finite(item.best),
