@@ -137,8 +137,10 @@ def test_a_validation_waiting_for_cpus_is_shown_waiting_and_times_out_only_once_
         assert status["cluster"]["autoscaler"] is False  # the session's Ray has none
         # Its timeout would have passed by now if waiting counted.
         wait_until(
-            lambda: dt.datetime.now(dt.timezone.utc) - job.attempt_history[0].claimed_at
-            > dt.timedelta(seconds=timeout_s + 1),
+            lambda: (
+                dt.datetime.now(dt.timezone.utc) - job.attempt_history[0].claimed_at
+                > dt.timedelta(seconds=timeout_s + 1)
+            ),
             30,
             "the wait outlasting timeout_s",
         )
