@@ -28,9 +28,12 @@ ACCELERATOR_TYPE_PREFIX = "accelerator_type:"
 ACCELERATOR_TYPE_SLIVER = 0.001
 # Ray's accelerator resources: what an attempt's accelerator count is counted in.
 ACCELERATOR_RESOURCES = ("GPU", "TPU", "NPU", "HPU", "neuron_cores")
-# A node type read from a launcher config may leave these to detection from its instance
-# type (unknown amounts, then); anything else it offers, it names.
+# A node type read from a config that names no CPUs leaves these to Ray's detection from
+# its instance type (unknown amounts, then): a launcher config before `ray up` fills it.
+# One that names its CPUs (the filled config, CKVAL_NODE_TYPES) names its GPUs too, and
+# leaves only memory. Accelerator types and custom resources a node type offers, it names.
 DETECTED_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+DETECTED_MEMORY = frozenset({"memory", "object_store_memory"})
 # The cluster launcher writes the config its autoscaler reads here, on the head node.
 LAUNCHER_CONFIG = "~/ray_bootstrap_config.yaml"
 _BOOKKEEPING = re.compile(r"^node:|^object_store_memory$")
@@ -178,7 +181,7 @@ class ClusterOffer:
         if not problems:
             problems.append("none offers all of them on one node")
         return (
-            f"{where} can ever run a task that asks for {_resources(demand)}: "
+            f"{where} can ever run a task that asks for {describe_resources(demand)}: "
             f"{'; '.join(problems)}. The cluster offers {self.describe()}"
         )
 
@@ -218,28 +221,32 @@ def _named(name: str, value: float) -> str:
     return f"{name} {amount}" if amount else name
 
 
-def _resources(demand: Mapping[str, float]) -> str:
+def describe_resources(demand: Mapping[str, float]) -> str:
+    """Ray resources as people read them: {CPU 1, GPU 1, accelerator_type:A10G}."""
     return "{" + ", ".join(_named(name, value) for name, value in sorted(demand.items())) + "}"
 
 
 # ---------------------------------------------------------------- node types
 def node_types_from_config(config: Mapping[str, Any]) -> tuple[Offer, ...]:
     """The node types an autoscaler can add, from a cluster launcher config (its
-    ``available_node_types``) or that mapping itself: those with max_workers above 0."""
+    ``available_node_types``, less the head's type) or that mapping itself: those whose
+    max_workers (default: the config's) is above 0."""
     types = config.get("available_node_types", config)
     if not isinstance(types, Mapping):
         raise ValueError("available_node_types must map node type names to their config")
-    cap = config.get("max_workers") if "available_node_types" in config else None
+    launcher = "available_node_types" in config
+    cap = config.get("max_workers") if launcher else None
+    head = config.get("head_node_type") if launcher else None
     offers = []
     for name, node_type in types.items():
         if not isinstance(node_type, Mapping):
             raise ValueError(f"node type {name!r} must be a mapping with 'resources'")
         resources = node_type.get("resources") or {}
         count = node_type.get("max_workers", cap)
-        if count == 0 or cap == 0:
-            continue  # the autoscaler never adds one (a head node type is a node already)
+        if name == head or count == 0 or cap == 0:
+            continue  # the autoscaler never adds one (the head is a node already)
         values = {str(k): float(v) for k, v in resources.items()}
-        detected = frozenset(DETECTED_RESOURCES - set(values))
+        detected = (DETECTED_MEMORY if "CPU" in values else DETECTED_RESOURCES) - set(values)
         offers.append(Offer("node type", str(name), values, count, detected))
     return tuple(offers)
 

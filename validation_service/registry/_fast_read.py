@@ -47,6 +47,7 @@ from validation_service.registry.records import (
     RunRecord,
     RunSummary,
     StopDecision,
+    ValidationCost,
     costs_by_run,
     run_summaries,
     with_evaluations,
@@ -299,6 +300,12 @@ class FastReader:
         if run_id is None:
             return db.execute(_fast_sql.ACTIVE_JOBS, _ACTIVE).fetchone()[0] or 0
         return db.execute(_fast_sql.ACTIVE_JOBS_OF_RUN, (*_ACTIVE, run_id)).fetchone()[0] or 0
+
+    def validation_costs(self, run: str) -> dict[int, ValidationCost]:
+        """As Registry.validation_costs: report index -> what its validations held."""
+        with self._snapshot() as db:
+            run_id = self._require_run_id(db, run)
+            return costs_by_run(db.execute(_fast_sql.COST_PER_CHECKPOINT, (run_id,)))
 
     # ------------------------------------------------------------------- jobs
     def list_jobs(

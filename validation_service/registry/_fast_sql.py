@@ -104,6 +104,19 @@ LIVE_CHECKPOINTS = (
     "WHERE checkpoints.run_id = ? AND checkpoints.deleted_at IS NULL ORDER BY "
     "checkpoints.report_index"
 )
+COST_PER_CHECKPOINT = (
+    "SELECT checkpoints.report_index, validation_jobs.validator, "
+    "validation_jobs.pool, validation_attempts.accelerator_type, "
+    "count(validation_attempts.id) AS count_1, sum(validation_attempts.running_s) AS "
+    "sum_1, sum(coalesce(validation_attempts.accelerators, 0.0) * "
+    "validation_attempts.running_s) AS sum_2 \n"
+    "FROM validation_attempts JOIN validation_jobs ON validation_jobs.id = "
+    "validation_attempts.job_id JOIN checkpoints ON checkpoints.id = "
+    "validation_jobs.checkpoint_id \n"
+    "WHERE validation_jobs.run_id = ? AND validation_attempts.running_s IS NOT NULL "
+    "GROUP BY checkpoints.report_index, validation_jobs.validator, "
+    "validation_jobs.pool, validation_attempts.accelerator_type"
+)
 CHECKPOINT_ALIASES = (
     "SELECT checkpoint_aliases.checkpoint_id, checkpoint_aliases.alias \n"
     "FROM checkpoint_aliases \n"

@@ -52,6 +52,7 @@ def statements() -> dict[str, str]:
         "COST_PER_RUN": costs.cost_by_run_query(""),
         # run id
         "LIVE_CHECKPOINTS": checkpoints_query(0, include_deleted=False),
+        "COST_PER_CHECKPOINT": costs.cost_by_checkpoint_query(0),
         # the checkpoint ids
         "CHECKPOINT_ALIASES": aliases.aliases_query(ids),
         "CHECKPOINT_TAGS": aliases.tags_query(ids),

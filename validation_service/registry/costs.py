@@ -11,10 +11,11 @@ import datetime as dt
 from sqlalchemy import Float, func, literal_column, select
 from sqlalchemy.orm import Session
 
-from validation_service.registry.models import Run, ValidationAttempt, ValidationJob
+from validation_service.registry.models import Checkpoint, Run, ValidationAttempt, ValidationJob
 from validation_service.registry.records import ValidationCost, costs_by_run
 
 _attempts, _jobs, _runs = ValidationAttempt.__table__, ValidationJob.__table__, Run.__table__
+_checkpoints = Checkpoint.__table__
 # A literal zero (not a bound parameter): the CLI's fast read binds the namespace only.
 _ACCELERATOR_S = func.coalesce(_attempts.c.accelerators, literal_column("0.0", Float)) * (
     _attempts.c.running_s
@@ -40,6 +41,30 @@ def cost_by_run_query(namespace: str):
         .where(_runs.c.namespace == namespace, _attempts.c.running_s.is_not(None))
         .group_by(_jobs.c.run_id, *_GROUPS)
     )
+
+
+def cost_by_checkpoint_query(run_id: int):
+    """(report index, validator, pool, accelerator type, attempts, running seconds,
+    accelerator-seconds) of one run attempt's checkpoints (the CLI's fast read runs it
+    too)."""
+    return (
+        select(
+            _checkpoints.c.report_index,
+            *_GROUPS,
+            func.count(_attempts.c.id),
+            func.sum(_attempts.c.running_s),
+            func.sum(_ACCELERATOR_S),
+        )
+        .join(_jobs, _jobs.c.id == _attempts.c.job_id)
+        .join(_checkpoints, _checkpoints.c.id == _jobs.c.checkpoint_id)
+        .where(_jobs.c.run_id == run_id, _attempts.c.running_s.is_not(None))
+        .group_by(_checkpoints.c.report_index, *_GROUPS)
+    )
+
+
+def cost_by_checkpoint(session: Session, run_id: int) -> dict[int, ValidationCost]:
+    """Report index -> what the validations of that checkpoint held, in one query."""
+    return costs_by_run(session.execute(cost_by_checkpoint_query(run_id)))
 
 
 def cost_by_run(session: Session, namespace: str) -> dict[int, ValidationCost]:

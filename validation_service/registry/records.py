@@ -374,8 +374,9 @@ class ValidationCost:
 
 
 def costs_by_run(rows: Any) -> dict[int, ValidationCost]:
-    """Run id -> its ValidationCost, from rows of (run id, validator, pool, accelerator
-    type, attempts, running_s, accelerator_s) (registry/costs.py's per-run statement)."""
+    """Run id (or report index) -> its ValidationCost, from rows of (run id, validator,
+    pool, accelerator type, attempts, running_s, accelerator_s): registry/costs.py's
+    statements."""
     by_run: dict[int, list[tuple]] = {}
     for run_id, *line in rows:
         by_run.setdefault(run_id, []).append(tuple(line))

@@ -19,6 +19,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from validation_service.jobs import ACTIVE_JOB_STATUSES, LEASED_JOB_STATUSES, JobStatus
 from validation_service.metrics import lower_is_better
+from validation_service.registry import costs
 from validation_service.registry.models import (
     Checkpoint,
     MetricValue,
@@ -435,6 +436,17 @@ def queue_health(session: Session, now: dt.datetime, grace_s: float) -> QueueHea
     return QueueHealth(int(row[0]), int(row[1]), int(row[2]), max(age, 0.0))
 
 
+def longest_resource_waits(session: Session, now: dt.datetime) -> dict[str, float]:
+    """Pool -> how long its longest-waiting WAITING_FOR_RESOURCES job has waited."""
+    waiting = JobStatus.WAITING_FOR_RESOURCES.value
+    rows = session.execute(
+        select(ValidationJob.pool, func.min(ValidationJob.waiting_since))
+        .where(ValidationJob.status == waiting, ValidationJob.waiting_since.is_not(None))
+        .group_by(ValidationJob.pool)
+    )
+    return {pool: max(0.0, (now - _aware(since)).total_seconds()) for pool, since in rows}
+
+
 @dataclasses.dataclass(frozen=True)
 class MetricsSnapshot:
     """What one /metrics scrape reads, in one session."""
@@ -444,6 +456,8 @@ class MetricsSnapshot:
     checkpoints_registered: int
     health: QueueHealth
     changed: list[JobTimes]  # jobs changed since the scrape's cutoff
+    waits: dict[str, float]  # pool -> its longest current wait for resources (seconds)
+    attempt_costs: list[costs.AttemptCost]  # ended attempts of the jobs changed since
 
 
 def metrics_snapshot(
@@ -455,4 +469,6 @@ def metrics_snapshot(
         checkpoints_registered=checkpoints_registered(session),
         health=queue_health(session, now, grace_s),
         changed=jobs_changed_since(session, changed_since),
+        waits=longest_resource_waits(session, now),
+        attempt_costs=costs.attempts_of_jobs_changed_since(session, changed_since),
     )

@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
+from validation_service.capacity import describe_resources
 from validation_service.executors import (
     AttemptHandle,
     Executor,
@@ -89,8 +90,8 @@ class ResourceWaits:
             succeeded=False,
             error_type="ResourcesUnavailable",
             error_message=(
-                f"waited {waited:.0f}s for a node to run its task, which asks for "
-                f"{_shown(what['resources'])}{note}; CKVAL_RESOURCE_WAIT_S="
+                f"waited {waited:.3g}s for a node to run its task, which asks for "
+                f"{describe_resources(what['resources'])}{note}; CKVAL_RESOURCE_WAIT_S="
                 f"{self.wait_limit_s:g} bounds that wait. See `ray status` for pending "
                 "nodes and demands; give the cluster room (or raise CKVAL_RESOURCE_WAIT_S), "
                 f"then `ckval retry {handle.job.job_id}`."
