@@ -170,8 +170,9 @@ def test_an_autoscaling_cluster_scales_from_zero_refuses_what_no_node_type_offer
     the a10g group from 0 to its cap and back (with a replica killed mid-validation); an
     H100 and an "A10g" request in the same run fail by name within a minute while the
     run's other validations go on; after the operator adds an h100 node type, `ckval
-    retry` runs the H100 job, which waits for its node longer than its timeout_s."""
-    count, timeout_s = 4, 2.0
+    retry` runs the H100 job, which waits for the node the autoscaler adds longer than
+    its timeout_s would have allowed had waiting counted."""
+    count, timeout_s = 4, 6.0
     # Two service replicas on PostgreSQL; the one holding a validation's lease is killed.
     Registry(postgres_server_url, upgrade=True).close()
     summary = cluster_program.run(
@@ -196,6 +197,12 @@ def test_an_autoscaling_cluster_scales_from_zero_refuses_what_no_node_type_offer
     digits = [by_index[index] for index in range(count)]
     check_the_a10g_group_scaled_from_zero_and_back(summary, registry, digits)
     check_requests_no_node_type_offers_failed_by_name(summary, count)
+    # Ray's v1 autoscaler runs (ckval tells it from a cluster of fixed nodes), and the
+    # service read the node types from CKVAL_NODE_TYPES, the autoscaler's own config.
+    assert summary["autoscaler_kind"] == "v1"
+    cluster = summary["service_cluster"]
+    assert cluster["autoscaler"] is True
+    assert cluster["node_types_from"].endswith("node_types.json")
     h100 = by_index[count]
     check_the_retried_job_waited_for_its_node_past_its_timeout(summary, h100, timeout_s)
     assert by_index[count + 1].status == "FAILED"  # the typo was not fixed

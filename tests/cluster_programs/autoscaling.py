@@ -9,21 +9,24 @@ session, so its process group is ours to kill) and an autoscaling config for Ray
 fake_multinode provider: a CPU-only head and a node type "a10g" (2 CPUs, a fake GPU,
 `accelerator_type:A10G`) with min_workers 0 and max_workers 2. This is what
 ray.cluster_utils.AutoscalingCluster does, minus its `ray stop --force`, which would kill
-every Ray on the machine. CKVAL_NODE_TYPES names that config, as on a launcher cluster.
+every Ray on the machine. CKVAL_NODE_TYPES names a copy of its node types.
 Then it starts the ckval service (pools={"A10G": 2}) and reports, in one run, checkpoints
 with Client(run).report whose validations ask for an A10G and 1 GPU, one that asks for an
 H100 and one for an "A10g" (no node type offers either). It samples the alive worker nodes
 and the jobs' statuses throughout and waits for the validations. Then it adds an "h100"
-node type to the config and runs `ckval retry` of the H100 job, whose timeout_s is shorter
-than a node takes to join: it waits for the node (WAITING_FOR_RESOURCES), runs and
-succeeds. Last, it waits for the idle worker nodes to be removed. Prints one JSON summary
-as its last stdout line and stops every process it started, also on failure. CKVAL_HOME
-and RAY_TMPDIR come from the caller (else fresh temporary ones).
+node type to ckval's node types (CKVAL_NODE_TYPES, a file of its own) and runs `ckval
+retry` of the H100 job: it waits for a node (WAITING_FOR_RESOURCES); once it has waited
+longer than its timeout_s, the node type reaches the autoscaler's config too, which adds
+the node; the job runs and succeeds. Last, it waits for the idle worker nodes to be
+removed. Prints one JSON summary as its last stdout line and stops every process it
+started, also on failure. CKVAL_HOME and RAY_TMPDIR come from the caller (else fresh
+temporary ones).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import signal
@@ -310,19 +313,34 @@ def refused_jobs(registry, run: str, indices: list[int], timeout_s: float = 120)
     }
 
 
-def retry_with_an_h100_node_type(config: dict, config_path: Path, job_id: int, gcs_address: str):
-    """Adds an "h100" node type to the autoscaler's config (its monitor reads the file
-    again every update; ckval reads CKVAL_NODE_TYPES again), then `ckval retry JOB`."""
+def retry_with_an_h100_node_type(
+    config: dict, config_path: Path, types_path: Path, registry, job, gcs_address: str
+) -> str:
+    """The operator adds an "h100" node type: to ckval's node types first, then `ckval
+    retry JOB`; once the job has waited longer than its timeout_s, to the autoscaler's
+    config too (its monitor reads the file again every update), which adds the node."""
     config["available_node_types"]["h100"] = fake_gpu_node(H100_RESOURCE)
     config["max_workers"] = MAX_A10G_NODES + 1
-    config_path.write_text(json.dumps(config, indent=1))
+    types_path.write_text(json.dumps(config, indent=1))
     ckval = os.path.join(os.path.dirname(sys.executable), "ckval")
     env = dict(os.environ, CKVAL_RAY_ADDRESS=gcs_address)
     done = subprocess.run(
-        [ckval, "retry", str(job_id)], env=env, capture_output=True, text=True, timeout=120
+        [ckval, "retry", str(job.id)], env=env, capture_output=True, text=True, timeout=120
     )
     if done.returncode != 0:
         raise AssertionError(f"ckval retry failed ({done.returncode}): {done.stderr}")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        now = registry.get_job(job.id)
+        if now.status == "WAITING_FOR_RESOURCES":
+            claimed = now.attempt_history[-1].claimed_at
+            waited = (dt.datetime.now(dt.timezone.utc) - claimed).total_seconds()
+            if waited > job.timeout_s + 1:
+                break  # past what its timeout would have allowed, had waiting counted
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"job {job.id} did not wait for its node: {now.status}")
+    config_path.write_text(json.dumps(config, indent=1))
     return done.stdout.strip()
 
 
@@ -335,8 +353,8 @@ def main() -> int:
     parser.add_argument(
         "--timeout-s",
         type=float,
-        default=2.0,
-        help="timeout_s of the H100 validation: shorter than an added node takes to join",
+        default=6.0,
+        help="timeout_s of the H100 validation: it waits longer than that for its node",
     )
     parser.add_argument(
         "--replicas",
@@ -363,6 +381,7 @@ def main() -> int:
         from ray.train import Checkpoint
 
         from trainer_integration import Client
+        from validation_service import _ray_compat
         from validation_service.config import ckval_env
         from validation_service.registry.registry import Registry
         from validation_service.service import ValidationService
@@ -373,8 +392,11 @@ def main() -> int:
         config = autoscaling_config(gcs_address, args.idle_timeout_min)
         config_path = Path(ray_tmpdir) / "autoscaling.json"
         config_path.write_text(json.dumps(config, indent=1))
-        # As on a launcher cluster: ckval reads the node types the autoscaler can add.
-        os.environ["CKVAL_NODE_TYPES"] = str(config_path)
+        # ckval reads the node types the autoscaler can add from a file of its own, as
+        # on KubeRay (there, a ConfigMap entry beside the RayCluster).
+        types_path = Path(ray_tmpdir) / "node_types.json"
+        types_path.write_text(json.dumps(config, indent=1))
+        os.environ["CKVAL_NODE_TYPES"] = str(types_path)
         head_log = Path(ray_tmpdir) / "ray-start.log"
         summary.update(gcs_address=gcs_address, head_log=str(head_log))
         head = start_head(port, ip, config_path, head_log)
@@ -400,6 +422,8 @@ def main() -> int:
         timings["reports_s"] = round(time.monotonic() - t0, 1)
         h100, typo = args.checkpoints, args.checkpoints + 1
         summary["refused"] = refused_jobs(registry, run, [h100, typo])
+        summary["autoscaler_kind"] = _ray_compat.autoscaler_kind()
+        summary["service_cluster"] = service.status()["cluster"]
 
         if args.replicas > 1:
             summary["replica_killed"] = kill_a_replica_holding_a_lease(service, registry, run)
@@ -413,9 +437,9 @@ def main() -> int:
 
         # The operator adds the missing node type and retries: the job waits for the node.
         t1 = time.monotonic()
-        job_id = summary["refused"][str(h100)]["job_id"]
+        job = registry.get_job(summary["refused"][str(h100)]["job_id"])
         summary["retry_output"] = retry_with_an_h100_node_type(
-            config, config_path, job_id, gcs_address
+            config, config_path, types_path, registry, job, gcs_address
         )
         registry.wait(run, timeout_s=240, raise_on_failure=False)
         timings["h100_retry_s"] = round(time.monotonic() - t1, 1)
