@@ -194,3 +194,13 @@ def test_metrics_count_accelerator_seconds_and_the_longest_wait_per_pool(registr
     assert samples[jobs] == 1
     assert samples[("ckval_resource_wait_seconds", (("pool", "A10G"),))] >= 0
     assert samples[("ckval_leases", (("state", "live"),))] == 1  # the waiting job's lease
+
+
+def test_waiting_for_a_run_says_which_jobs_wait_for_resources(registry, spent):
+    from validation_service.progress import RunProgress
+
+    with pytest.raises(TimeoutError, match="1 of them WAITING_FOR_RESOURCES: their Ray task"):
+        registry.wait(RUN, timeout_s=0.05, poll_s=0.01)
+    progress = RunProgress.from_counts(registry.job_counts(RUN))
+    assert progress.waiting == 1
+    assert "0 queued, 1 waiting for resources, 0 running" in progress.summary()

@@ -125,7 +125,10 @@ class Verdict:
         """What a job that waits for these resources waits for, as the registry keeps it."""
         return {
             "resources": self.demand,
-            "fits": [*self.fits_now, *(f"node type {name}" for name in self.fits_later)],
+            "fits": [
+                *(f"node {name}" for name in self.fits_now),
+                *(f"node type {name}" for name in self.fits_later),
+            ],
             "note": self.reason,
         }
 
