@@ -4,8 +4,7 @@ and attempt rows, and the validation status its checkpoint mirrors.
     enqueue                                  -> QUEUED    (the row; registration.py
                                                               writes it with its checkpoint)
     claim          QUEUED                    -> RUNNING   (new lease token, attempt opened)
-    wait_for_resources  RUNNING              -> WAITING_FOR_RESOURCES  (its Ray task waits
-                                                 for a node or GPUs; the lease holder only)
+    wait_for_resources  RUNNING  -> WAITING_FOR_RESOURCES  (its Ray task waits; the holder)
     start_running  WAITING_FOR_RESOURCES     -> RUNNING   (its task began; the lease holder)
     extend_leases  RUNNING, WAITING_...      -> the same  (the lease holder only)
     finish         RUNNING, WAITING_...      -> SUCCEEDED | FAILED | TIMED_OUT | QUEUED
@@ -13,9 +12,8 @@ and attempt rows, and the validation status its checkpoint mirrors.
     cancel         QUEUED, RUNNING, WAITING_... -> CANCELLED
     retry          FAILED, TIMED_OUT, CANCELLED -> QUEUED  (a fresh attempt budget, capped)
 
-A job keeps its lease (and its pool's slot) while it waits for resources. What an attempt
-held (its node, accelerator type and count, running time) is written with its end, or
-afterwards by record_usage when the service stopped it after losing its lease.
+What an attempt held (node, accelerators, running time) is written with its end, or by
+record_usage after the service stopped it on losing its lease.
 
 Each takes an open connection (the caller owns the transaction) and repeats the states it
 starts from in its WHERE clause, so it never applies to a job that moved on meanwhile.
