@@ -135,6 +135,7 @@ def test_runs_list_status_tags_and_job_counts(world: World):
     assert runs["gamma"]["jobs"] == {
         "QUEUED": 1,
         "RUNNING": 0,
+        "WAITING_FOR_RESOURCES": 0,
         "SUCCEEDED": 0,
         "FAILED": 1,
         "TIMED_OUT": 0,

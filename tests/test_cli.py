@@ -428,7 +428,7 @@ def test_jobs_watch_returns_at_once_when_nothing_is_active(populated):
     assert code == 0, out
     *table, last = out.strip().splitlines()
     assert len(table) == 2 + 4
-    assert last == "no job is QUEUED or RUNNING: SUCCEEDED=3 FAILED=1"
+    assert last == "no job is QUEUED, RUNNING or WAITING_FOR_RESOURCES: SUCCEEDED=3 FAILED=1"
 
 
 def test_cancel_and_retry_commands(populated):
@@ -652,7 +652,8 @@ def test_jobs_watch_prints_status_changes_until_nothing_is_active(populated, wit
     rest = "".join(iter_queue(lines))
     assert re.search(rf"UTC[+-]\d\d:\d\d  job {claimed.job_id} \(mnist report 1\): ", rest)
     assert "QUEUED -> SUCCEEDED" in rest or "RUNNING -> SUCCEEDED" in rest
-    assert rest.strip().splitlines()[-1] == "no job is QUEUED or RUNNING: SUCCEEDED=2"
+    last = rest.strip().splitlines()[-1]
+    assert last == "no job is QUEUED, RUNNING or WAITING_FOR_RESOURCES: SUCCEEDED=2"
     # No Ray to be found: the watch says why QUEUED jobs may not move, and goes on.
     assert "no ckval service is running (no Ray cluster found)" in err
 

@@ -163,10 +163,16 @@ def test_trains_on_a100_nodes_and_validates_one_at_a_time_on_a10g_nodes(cluster_
     )
 
 
-def test_a10g_validations_scale_the_cluster_up_from_zero_and_back(
+def test_an_autoscaling_cluster_scales_from_zero_refuses_what_no_node_type_offers_and_waits(
     cluster_program, postgres_server_url
 ):
-    count = 4
+    """One fake autoscaling cluster, three things an operator meets: A10G validations scale
+    the a10g group from 0 to its cap and back (with a replica killed mid-validation); an
+    H100 and an "A10g" request in the same run fail by name within a minute while the
+    run's other validations go on; after the operator adds an h100 node type, `ckval
+    retry` runs the H100 job, which waits for the node the autoscaler adds longer than
+    its timeout_s would have allowed had waiting counted."""
+    count, timeout_s = 4, 6.0
     # Two service replicas on PostgreSQL; the one holding a validation's lease is killed.
     Registry(postgres_server_url, upgrade=True).close()
     summary = cluster_program.run(
@@ -179,21 +185,59 @@ def test_a10g_validations_scale_the_cluster_up_from_zero_and_back(
         "0.1",
         "--scale-down-timeout-s",
         "90",
+        "--timeout-s",
+        str(timeout_s),
         "--replicas",
         "2",
         "--database-url",
         postgres_server_url,
     )
+    registry = Registry(postgres_server_url)
+    by_index = {job.report_index: job for job in registry.validations(summary["run"])}
+    digits = [by_index[index] for index in range(count)]
+    check_the_a10g_group_scaled_from_zero_and_back(summary, registry, digits)
+    check_requests_no_node_type_offers_failed_by_name(summary, count)
+    # Ray's v1 autoscaler runs (ckval tells it from a cluster of fixed nodes), and the
+    # service read the node types from CKVAL_NODE_TYPES, the autoscaler's own config.
+    assert summary["autoscaler_kind"] == "v1"
+    cluster = summary["service_cluster"]
+    assert cluster["autoscaler"] is True
+    assert cluster["node_types_from"].endswith("node_types.json")
+    h100 = by_index[count]
+    check_the_retried_job_waited_for_its_node_past_its_timeout(summary, h100, timeout_s)
+    assert by_index[count + 1].status == "FAILED"  # the typo was not fixed
+
+    # What the run's validations held, by pool: every digits validation held its A10G.
+    [spent] = [s.cost for s in registry.run_summaries() if s.run.name == summary["run"]]
+    by_pool = spent.by("pool")
+    assert set(by_pool) == {"A10G", "H100"} and by_pool["A10G"] >= count * 2
+    assert spent.by("accelerator_type") == {"A10G": by_pool["A10G"], "H100": by_pool["H100"]}
+
+    changes = summary["a10g_node_count_changes"]
+    figure(
+        f"autoscaling: A10G nodes over time (s, count) {changes}; H100 nodes "
+        f"{summary['h100_node_count_changes']}; {count} validations on "
+        f"{len(set(summary['a10g_nodes_seen']))} added node(s); refused in "
+        f"{[r['seconds_to_fail'] for r in summary['refused'].values()]} s; H100 retry "
+        f"waited {waited_s(h100.attempt_history[-1]):.1f}s (timeout_s {timeout_s}); "
+        f"{spent.accelerator_s:.1f} accelerator-seconds {by_pool}; all gone "
+        f"{summary['timings'].get('scale_down_wait_s')}s after the validations were done; "
+        f"timings {summary['timings']}, wall {summary['wall_s']}s"
+    )
+
+
+def waited_s(attempt) -> float:
+    return (attempt.started_at - attempt.claimed_at).total_seconds()
+
+
+def check_the_a10g_group_scaled_from_zero_and_back(summary, registry, jobs) -> None:
     changes = summary["a10g_node_count_changes"]
     assert summary["a10g_nodes_at_start"] == 0 and changes[0][1] == 0
     assert 1 <= summary["a10g_nodes_peak"] <= 2
     assert summary["service_pools"] == {"A10G": 2}
     seen = set(summary["a10g_nodes_seen"])
     assert 1 <= len(seen) <= 2
-
-    registry = Registry(postgres_server_url)
-    jobs = registry.validations(summary["run"])
-    assert [j.status for j in jobs] == ["SUCCEEDED"] * count
+    assert [j.status for j in jobs] == ["SUCCEEDED"] * len(jobs)
     for job in jobs:
         assert [a.status for a in job.attempt_history].count("SUCCEEDED") == 1
     killed = summary["replica_killed"]
@@ -207,24 +251,54 @@ def test_a10g_validations_scale_the_cluster_up_from_zero_and_back(
     attempts = [a for job in jobs for a in job.attempt_history if a.status == "SUCCEEDED"]
     # Each ran on a node the autoscaler added for it: none existed when it was reported.
     assert attempts and {a.node_id for a in attempts} <= seen, [a.node_id for a in attempts]
+    # And held that node's A10G for as long as it ran.
+    for attempt in attempts:
+        assert (attempt.accelerator_type, attempt.accelerators) == ("A10G", 1.0)
+        assert attempt.running_s >= 2 and attempt.accelerator_s == attempt.running_s
     assert all(
         j.resources == {"num_cpus": 1, "num_gpus": 1, "accelerator_type": "A10G"} for j in jobs
     )
-    for checkpoint in registry.checkpoints(summary["run"]):
+    by_index = {c.report_index: c for c in registry.checkpoints(summary["run"])}
+    for job in jobs:
+        checkpoint = by_index[job.report_index]
         assert checkpoint.validation_status == "VALIDATED"
         assert checkpoint.validated_metrics["assigned_gpus"] == 1
         assert 0.5 < checkpoint.validated_metrics["accuracy"] <= 1.0
-
-    # With idle_timeout_minutes=0.1 the idle A10G nodes were removed again.
-    assert summary["a10g_nodes_after_idle"] == 0
+    # With idle_timeout_minutes=0.1 the idle worker nodes were removed again.
+    assert summary["a10g_nodes_after_idle"] == summary["h100_nodes_after_idle"] == 0
     assert changes[-1][1] == 0 and max(c for _, c in changes) == summary["a10g_nodes_peak"]
 
-    figure(
-        f"autoscaling: A10G nodes over time (s, count) {changes}; "
-        f"{count} validations on {len({a.node_id for a in attempts})} added node(s); "
-        f"all gone {summary['timings'].get('scale_down_wait_s')}s after the validations "
-        f"were done; timings {summary['timings']}, wall {summary['wall_s']}s"
-    )
+
+def check_requests_no_node_type_offers_failed_by_name(summary, count: int) -> None:
+    named = {
+        count: "none offers 'accelerator_type:H100'",
+        count + 1: "none offers 'accelerator_type:A10g' (did you mean 'accelerator_type:A10G'?)",
+    }
+    for index, words in named.items():
+        refused = summary["refused"][str(index)]
+        message = refused["error_message"]
+        assert (refused["status"], refused["error_type"]) == ("FAILED", "InfeasibleResources")
+        assert words in message, message
+        assert "no node type its autoscaler can add" in message, message
+        assert "The cluster offers accelerator types A10G;" in message, message
+        assert "node type a10g, up to 2: CPU 2, GPU 1, accelerator_type:A10G" in message
+        assert f"ckval retry {refused['job_id']}" in message
+        assert refused["seconds_to_fail"] < 60
+
+
+def check_the_retried_job_waited_for_its_node_past_its_timeout(summary, job, timeout_s) -> None:
+    assert job.status == "SUCCEEDED", (job.error_type, job.error_message)
+    first, second = job.attempt_history
+    assert first.status == "FAILED" and first.node_id is None  # refused, never launched
+    assert summary["retry_output"] == f"requeued 1 job(s): [{job.id}]"
+    # It waited for the node the autoscaler added, visibly, for longer than its timeout_s
+    # would have allowed had waiting counted; then it ran, well within it.
+    assert "WAITING_FOR_RESOURCES" in summary["job_statuses_seen"][str(job.id)]
+    assert waited_s(second) > timeout_s, waited_s(second)
+    assert second.running_s < timeout_s
+    assert second.node_id in summary["h100_nodes_seen"]
+    assert (second.accelerator_type, second.accelerators) == ("H100", 1.0)
+    assert summary["h100_node_count_changes"][-1][1] == 0
 
 
 def test_a_replicas_node_is_lost_and_every_validation_still_ends_once(

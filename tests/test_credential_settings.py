@@ -81,7 +81,8 @@ def test_every_setting_is_classified_as_holding_credentials_or_not():
         "http_host", "http_port", "allowed_modules", "sink_attempts", "sink_backoff_s",
         "append", "api_hosts", "max_manual_retries", "mlflow_allowed_experiments",
         "wandb_allowed_entities", "shard_conflicts", "allowed_commands",
-        "max_queued_evaluations",
+        "max_queued_evaluations", "watch_interval_s", "watch_settle_s", "resource_wait_s",
+        "node_types",
     }  # fmt: skip
     classified = plain | set(CREDENTIAL_FIELDS) | set(SECRET_FIELDS)
     assert sorted(set(Settings.model_fields) - classified) == []

@@ -390,3 +390,31 @@ def test_launcher_can_turn_on_gcs_fault_tolerance_from_ckval_env():
     template = LAUNCHER_ENV.read_text()
     for name in ("RAY_REDIS_ADDRESS", "REDIS_PASSWORD", "RAY_external_storage_namespace"):
         assert re.search(rf"^# {name}=", template, re.MULTILINE), name
+
+
+def test_the_node_types_ckval_reads_on_kuberay_are_the_worker_groups_of_the_raycluster():
+    """CKVAL_NODE_TYPES (ckval-config.yaml) lists raycluster.yaml's worker groups: a
+    validation no group offers fails at once, one a group offers waits for its pod."""
+    from validation_service.capacity import read_node_types
+
+    config = _one("ConfigMap", "ckval-config")["data"]
+    offers, source = read_node_types(config["CKVAL_NODE_TYPES"])
+    assert source == "CKVAL_NODE_TYPES"
+    declared = {
+        offer.name: (dict(offer.resources), offer.max_count, offer.open_amounts) for offer in offers
+    }
+    groups = {}
+    for group in _one("RayCluster", "ckval")["spec"]["workerGroupSpecs"]:
+        [container] = _containers(group["template"])
+        limits = container["resources"]["limits"]
+        resources = {"CPU": float(limits["cpu"])}
+        if "nvidia.com/gpu" in limits:
+            resources["GPU"] = float(limits["nvidia.com/gpu"])
+        custom = group["rayStartParams"].get("resources")
+        if custom:
+            resources.update(json.loads(json.loads(custom)))  # KubeRay's quoting, twice
+        # Memory is left to Ray's detection: any amount may come.
+        open_amounts = frozenset({"memory", "object_store_memory"})
+        groups[group["groupName"]] = (resources, group["maxReplicas"], open_amounts)
+    assert declared == groups
+    assert int(config["CKVAL_RESOURCE_WAIT_S"]) >= 600  # a GPU node takes minutes

@@ -54,11 +54,12 @@ def run_id(registry):
 
 @pytest.fixture
 def one_job_per_state(registry, run_id):
-    """A job in each of the six states; returns {status: job id}."""
+    """A job in each of the seven states; returns {status: job id}."""
     jobs = {}
     for index, status in enumerate(
         [
             JobStatus.RUNNING,
+            JobStatus.WAITING_FOR_RESOURCES,
             JobStatus.SUCCEEDED,
             JobStatus.FAILED,
             JobStatus.TIMED_OUT,
@@ -74,7 +75,10 @@ def one_job_per_state(registry, run_id):
             registry.cancel_jobs([job_id])
             continue
         claimed = claim_one(registry)
-        if status is JobStatus.SUCCEEDED:
+        if status is JobStatus.WAITING_FOR_RESOURCES:
+            wait = (claimed.job_id, claimed.lease_token, {"resources": {"GPU": 1.0}})
+            registry.job_queue.wait_for_resources(OWNER, [wait])
+        elif status is JobStatus.SUCCEEDED:
             ok = JobOutcome(succeeded=True, metrics={"accuracy": 0.5})
             registry.job_queue.finish_job(claimed.job_id, claimed.lease_token, ok)
         elif status is JobStatus.FAILED:
@@ -136,26 +140,71 @@ def test_cancel_and_retry_apply_to_their_from_states_only(registry, one_job_per_
             assert checkpoint_status(registry, job_id) == mirrored, status
 
 
-def test_expire_and_finish_apply_to_running_jobs_only(registry, one_job_per_state):
+def test_expire_and_finish_apply_to_leased_jobs_only(registry, one_job_per_state):
     before = statuses(registry, one_job_per_state)
     rows = lease_rows(registry, list(one_job_per_state.values()))
     with registry.db.write() as conn:
-        expired = [
-            row.id for row in rows if transitions.expire(conn, row, JobStatus.QUEUED, "gone", NOW)
-        ]
-        # The token of a job that is not RUNNING fences nothing.
+        # The token of a job that holds no lease fences nothing.
         finishable = [
             row.id for row in rows if transitions.running_job(conn, row.id, row.lease_token)
         ]
-    running = one_job_per_state[JobStatus.RUNNING]
-    assert expired == [running]
-    assert finishable == []  # the one RUNNING job was just expired
-    assert statuses(registry, one_job_per_state) == {**before, JobStatus.RUNNING: "QUEUED"}
+        expired = [
+            row.id for row in rows if transitions.expire(conn, row, JobStatus.QUEUED, "gone", NOW)
+        ]
+    leased = [
+        one_job_per_state[JobStatus.RUNNING],
+        one_job_per_state[JobStatus.WAITING_FOR_RESOURCES],
+    ]
+    assert sorted(finishable) == sorted(expired) == sorted(leased)
+    assert statuses(registry, one_job_per_state) == {
+        **before,
+        JobStatus.RUNNING: "QUEUED",
+        JobStatus.WAITING_FOR_RESOURCES: "QUEUED",
+    }
+    waited = registry.get_job(one_job_per_state[JobStatus.WAITING_FOR_RESOURCES])
+    assert (waited.waiting_since, waited.waiting_for) == (None, None)
     assert (
         transitions.FROM_STATES["expire"]
         == transitions.FROM_STATES["finish"]
-        == {JobStatus.RUNNING}
+        == transitions.FROM_STATES["extend_leases"]
+        == {JobStatus.RUNNING, JobStatus.WAITING_FOR_RESOURCES}
     )
+
+
+@pytest.mark.parametrize(
+    "name, to",
+    [
+        ("wait_for_resources", JobStatus.WAITING_FOR_RESOURCES),
+        ("start_running", JobStatus.RUNNING),
+    ],
+)
+def test_waiting_for_resources_and_back_apply_to_their_from_states_only(
+    registry, one_job_per_state, name, to
+):
+    before = statuses(registry, one_job_per_state)
+    rows = lease_rows(registry, list(one_job_per_state.values()))
+    with registry.db.write() as conn:
+        if name == "wait_for_resources":
+            waits = [(row.id, row.lease_token, {"resources": {"GPU": 2.0}}) for row in rows]
+            changed = transitions.wait_for_resources(conn, OWNER, waits, NOW)
+            # Only the lease holder moves its jobs.
+            assert transitions.wait_for_resources(conn, "other/1", waits, NOW) == []
+        else:
+            leases = [(row.id, row.lease_token) for row in rows]
+            changed = transitions.start_running(conn, OWNER, leases, NOW)
+    [allowed] = transitions.FROM_STATES[name]
+    assert changed == [one_job_per_state[allowed]]
+    after = statuses(registry, one_job_per_state)
+    assert after == {**before, allowed: to.value}
+    assert checkpoint_status(registry, changed[0]) == JOB_TO_VALIDATION_STATUS[to].value
+    job = registry.get_job(changed[0])
+    if to is JobStatus.WAITING_FOR_RESOURCES:
+        assert (job.waiting_since, job.waiting_for) == (NOW, {"resources": {"GPU": 2.0}})
+    else:
+        assert (job.waiting_since, job.waiting_for) == (None, None)
+    # Waiting or not, the job keeps its lease, its attempt and its slot of the pool.
+    assert job.lease_owner == OWNER and [a.status for a in job.attempt_history] == ["RUNNING"]
+    assert registry.job_queue.running_per_pool() == {"CPU": 2}
 
 
 # --------------------------------------------------------------- what each one writes

@@ -261,3 +261,17 @@ def test_data_execution_options_are_a_copy_with_the_users_limits_kept():
     assert resolved.resource_limits.cpu == 3
     resolved.resource_limits = ExecutionResources(cpu=1)  # the caller's to change
     assert users.resource_limits.cpu == 3
+
+
+@pytest.mark.ray
+def test_a_cluster_without_an_autoscaler_is_told_from_one_with_it(ray_session):
+    """The session's Ray has no autoscaling config: its monitor only mirrors the nodes
+    (node types named node_<id>), and no autoscaler reported a cluster config. The
+    fake autoscaler's "v1" is checked in tests/test_clusters.py."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while (kind := _ray_compat.autoscaler_kind()) is None and time.monotonic() < deadline:
+        time.sleep(0.5)  # the monitor's first report comes within seconds of the start
+    assert kind == "none"
+    assert _ray_compat.autoscaler_node_types() is None

@@ -24,7 +24,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import json
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -117,6 +119,29 @@ INTERNALS = (
         "2.51-2.60",
         "commands that look for a running cluster need CKVAL_RAY_ADDRESS or RAY_ADDRESS",
     ),
+    Internal(
+        "ray._private.state",
+        "GlobalState.get_cluster_config",
+        "2.51-2.60",
+        "node types come from CKVAL_NODE_TYPES or the launcher's config only",
+    ),
+    Internal(
+        "ray.autoscaler.v2.utils",
+        "is_autoscaler_v2",
+        "2.51-2.60",
+        "an autoscaler v2 without known node types is not recognised: where no node "
+        "offers what a job asks, it waits (at most CKVAL_RESOURCE_WAIT_S)",
+    ),
+    Internal(
+        "ray.experimental.internal_kv",
+        "_internal_kv_get",
+        "2.51-2.60 (with ray._private.ray_constants.DEBUG_AUTOSCALING_STATUS, the v1 "
+        "monitor's status, whose node types are node_<node id> on a cluster without "
+        "an autoscaler)",
+        "a cluster without an autoscaler is not recognised: where no node offers what a "
+        "job asks, it waits (at most CKVAL_RESOURCE_WAIT_S) instead of failing at once",
+    ),
+    Internal("ray._private.ray_constants", "DEBUG_AUTOSCALING_STATUS", "2.51-2.60", "the same"),
 )
 
 
@@ -279,6 +304,60 @@ def bootstrap_address() -> str | None:
         return canonicalize_bootstrap_address("auto")
     except ConnectionError:
         return None
+
+
+def autoscaler_node_types() -> list[tuple[str, dict[str, float], int]] | None:
+    """The node types of the cluster config an autoscaler reported to the GCS, as
+    (name, resources, max count; -1: no cap); None where none was reported (Ray's own v1
+    and v2 autoscalers report none in 2.51-2.60; platforms that run one may)."""
+    try:
+        from ray._private.state import state
+
+        config = state.get_cluster_config()
+    except Exception:  # noqa: BLE001 - another Ray version, or no GCS to ask
+        return None
+    if config is None or not config.node_group_configs:
+        return None
+    return [
+        (group.name, dict(group.resources), int(group.max_count))
+        for group in config.node_group_configs
+    ]
+
+
+# The node type names the v1 monitor gives the nodes of a cluster it only mirrors (no
+# autoscaling config): "node_" and the node's id (format_readonly_node_type).
+_MIRRORED_NODE_TYPE = re.compile(r"^node_[0-9a-f]{56}$")
+
+
+def autoscaler_kind() -> str | None:
+    """Which autoscaler the connected cluster runs: "v2", "v1", or "none" where Ray's
+    monitor only mirrors the cluster's nodes (a cluster of fixed nodes: ``ray.init()``,
+    ``ray start`` without an autoscaling config); None where this cannot be told yet."""
+    try:
+        from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+        if is_autoscaler_v2(fetch_from_server=True):
+            return "v2"
+    except Exception:  # noqa: BLE001 - then v1's status tells
+        pass
+    try:
+        from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+        report = json.loads(raw).get("autoscaler_report") if raw else None
+    except Exception:  # noqa: BLE001 - no status to read
+        return None
+    if not report:
+        return None  # the monitor has not looked at the nodes yet
+    names = {
+        *(report.get("active_nodes") or {}),
+        *(report.get("pending_launches") or {}),
+        *(report.get("node_type_mapping") or {}).values(),
+    }
+    if not names:
+        return None
+    return "none" if all(_MIRRORED_NODE_TYPE.match(name) for name in names) else "v1"
 
 
 # Ray gives its head node one unit of this resource for Ray's own use (2.51-2.60 alike);

@@ -27,7 +27,14 @@ MAX_REPLICAS = 16
 # What each bounded number setting must be: the test of a value, and the error's words.
 _NUMBER_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     **dict.fromkeys(
-        ("lease_s", "poll_interval_s", "delivery_timeout_s", "watch_interval_s", "watch_settle_s"),
+        (
+            "lease_s",
+            "poll_interval_s",
+            "delivery_timeout_s",
+            "watch_interval_s",
+            "watch_settle_s",
+            "resource_wait_s",
+        ),
         (lambda value: math.isfinite(value) and value > 0, "must be a positive number of seconds"),
     ),
     # 0 is meaningful here: a heartbeat every loop, a retry without waiting.
@@ -113,6 +120,31 @@ class Settings(BaseSettings):
     # long a step folder without a completion marker must stay unchanged to be ready.
     watch_interval_s: float = 5.0
     watch_settle_s: float = 30.0
+    # How long a claimed validation may wait for its Ray task to start (for a node the
+    # autoscaler adds, for GPUs other work holds) before it ends FAILED
+    # (ResourcesUnavailable). Its timeout_s counts only from when it runs.
+    resource_wait_s: float = 1800.0
+    # The node types the cluster's autoscaler can add, for telling a request no node can
+    # ever serve (it fails at once) from one that waits for a node: a path to the cluster
+    # launcher's config (YAML or JSON with available_node_types), or that mapping as JSON.
+    # Unset: the config an autoscaler reported to Ray, else ~/ray_bootstrap_config.yaml.
+    node_types: str | None = None
+
+    @field_validator("node_types")
+    @classmethod
+    def _node_types_parse(cls, value: str | None) -> str | None:
+        if value is not None and value.lstrip().startswith("{"):
+            from validation_service.capacity import node_types_from_config
+
+            try:
+                node_types_from_config(json.loads(value))
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise ValueError(
+                    f"is not a node types mapping ({exc}); give "
+                    '{"a10g": {"resources": {"CPU": 8, "GPU": 1, "accelerator_type:A10G": 1}, '
+                    '"max_workers": 4}} or a path to the cluster launcher\'s config'
+                ) from None
+        return value or None
 
     http_host: str = "127.0.0.1"
     http_port: int = 8780

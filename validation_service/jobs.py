@@ -12,11 +12,15 @@ class JobStatus(str, enum.Enum):
     """Life cycle of one validation job.
 
     QUEUED -> RUNNING -> SUCCEEDED | FAILED | TIMED_OUT | CANCELLED, and
-    RUNNING -> QUEUED on a retry or an expired lease.
+    RUNNING -> QUEUED on a retry or an expired lease. A claimed job whose Ray task waits
+    for resources (a node the autoscaler is adding, GPUs other tasks hold) is
+    WAITING_FOR_RESOURCES until the task starts: RUNNING <-> WAITING_FOR_RESOURCES. It
+    holds its lease and its pool's slot all along; its timeout_s counts only while it runs.
     """
 
     QUEUED = "QUEUED"
     RUNNING = "RUNNING"
+    WAITING_FOR_RESOURCES = "WAITING_FOR_RESOURCES"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     TIMED_OUT = "TIMED_OUT"
@@ -30,7 +34,9 @@ class JobStatus(str, enum.Enum):
 TERMINAL_JOB_STATUSES = frozenset(
     {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.TIMED_OUT, JobStatus.CANCELLED}
 )
-ACTIVE_JOB_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.RUNNING})
+# Claimed under a lease: its attempt is launched, and it takes one of its pool's slots.
+LEASED_JOB_STATUSES = frozenset({JobStatus.RUNNING, JobStatus.WAITING_FOR_RESOURCES})
+ACTIVE_JOB_STATUSES = frozenset({JobStatus.QUEUED, *LEASED_JOB_STATUSES})
 
 
 class ValidationStatus(str, enum.Enum):
@@ -48,6 +54,8 @@ class ValidationStatus(str, enum.Enum):
 JOB_TO_VALIDATION_STATUS = {
     JobStatus.QUEUED: ValidationStatus.PENDING,
     JobStatus.RUNNING: ValidationStatus.RUNNING,
+    # Its validation has not begun: the checkpoint's says so as for a queued one.
+    JobStatus.WAITING_FOR_RESOURCES: ValidationStatus.PENDING,
     JobStatus.SUCCEEDED: ValidationStatus.VALIDATED,
     JobStatus.FAILED: ValidationStatus.FAILED,
     JobStatus.TIMED_OUT: ValidationStatus.TIMED_OUT,

@@ -31,6 +31,7 @@ class RunProgress:
     succeeded: int = 0
     failed: int = 0  # FAILED and TIMED_OUT
     cancelled: int = 0
+    waiting: int = 0  # WAITING_FOR_RESOURCES: claimed, its Ray task not started yet
 
     @classmethod
     def from_counts(cls, counts: Mapping[str, int]) -> RunProgress:
@@ -43,6 +44,7 @@ class RunProgress:
             reported=sum(int(n) for n in counts.values()),
             queued=count(JobStatus.QUEUED),
             running=count(JobStatus.RUNNING),
+            waiting=count(JobStatus.WAITING_FOR_RESOURCES),
             succeeded=count(JobStatus.SUCCEEDED),
             failed=count(JobStatus.FAILED, JobStatus.TIMED_OUT),
             cancelled=count(JobStatus.CANCELLED),
@@ -53,9 +55,10 @@ class RunProgress:
         return self.succeeded + self.failed + self.cancelled
 
     def summary(self) -> str:
+        waiting = f"{self.waiting} waiting for resources, " if self.waiting else ""
         text = (
-            f"{self.reported} reported, {self.queued} queued, {self.running} running, "
-            f"{self.succeeded} succeeded, {self.failed} failed"
+            f"{self.reported} reported, {self.queued} queued, {waiting}{self.running} "
+            f"running, {self.succeeded} succeeded, {self.failed} failed"
         )
         return text + (f", {self.cancelled} cancelled" if self.cancelled else "")
 

@@ -1,7 +1,7 @@
 """watched folders: folders the service lists for new step folders of a run
 
 Revision ID: 0010
-Revises: 0008
+Revises: 0009
 Create Date: 2026-12-02
 
 Trainers that are not Ray Train save step folders (step-100, checkpoint-200) to a disk or
@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0010"
-down_revision = "0008"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 

@@ -126,8 +126,12 @@ def attempts_of(registry, run: str) -> list[dict[str, Any]]:
                     "attempt": attempt.attempt,
                     "status": attempt.status,
                     "node_id": attempt.node_id,
+                    "claimed_at": _iso(attempt.claimed_at),
                     "started_at": _iso(attempt.started_at),
                     "finished_at": _iso(attempt.finished_at),
+                    "accelerator_type": attempt.accelerator_type,
+                    "accelerators": attempt.accelerators,
+                    "running_s": attempt.running_s,
                 }
             )
     return rows

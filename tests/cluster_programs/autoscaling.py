@@ -1,24 +1,32 @@
-"""Validations that need an A10G scale an autoscaling cluster up from zero A10G nodes.
+"""Validations that need an A10G scale an autoscaling cluster up from zero A10G nodes;
+requests no node type offers fail by name; a job waits for a node past its timeout_s.
 
     python tests/cluster_programs/autoscaling.py [--checkpoints N] [--hold-s S]
-        [--idle-timeout-min M] [--scale-down-timeout-s T]
+        [--idle-timeout-min M] [--scale-down-timeout-s T] [--timeout-s T]
 
 Starts its own head with `ray start --head --block` (a free port, never 6379; its own
 session, so its process group is ours to kill) and an autoscaling config for Ray's
 fake_multinode provider: a CPU-only head and a node type "a10g" (2 CPUs, a fake GPU,
 `accelerator_type:A10G`) with min_workers 0 and max_workers 2. This is what
 ray.cluster_utils.AutoscalingCluster does, minus its `ray stop --force`, which would kill
-every Ray on the machine. Then it starts the ckval service (pools={"A10G": 2}), reports
-checkpoints with Client(run).report whose validations ask for an A10G and 1 GPU, samples
-the number of alive A10G nodes throughout, waits for the validations and then for the
-idle A10G nodes to be removed. Prints one JSON summary as its last stdout line and stops
-every process it started, also on failure. CKVAL_HOME and RAY_TMPDIR come from the caller
-(else fresh temporary ones).
+every Ray on the machine. CKVAL_NODE_TYPES names a copy of its node types.
+Then it starts the ckval service (pools={"A10G": 2}) and reports, in one run, checkpoints
+with Client(run).report whose validations ask for an A10G and 1 GPU, one that asks for an
+H100 and one for an "A10g" (no node type offers either). It samples the alive worker nodes
+and the jobs' statuses throughout and waits for the validations. Then it adds an "h100"
+node type to ckval's node types (CKVAL_NODE_TYPES, a file of its own) and runs `ckval
+retry` of the H100 job: it waits for a node (WAITING_FOR_RESOURCES); once it has waited
+longer than its timeout_s, the node type reaches the autoscaler's config too, which adds
+the node; the job runs and succeeds. Last, it waits for the idle worker nodes to be
+removed. Prints one JSON summary as its last stdout line and stops every process it
+started, also on failure. CKVAL_HOME and RAY_TMPDIR come from the caller (else fresh
+temporary ones).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import signal
@@ -39,6 +47,8 @@ from validation_service.cli.demo import load_digits_split, make_model, validate_
 A10G = "A10G"
 A10G_RESOURCE = f"accelerator_type:{A10G}"
 MAX_A10G_NODES = 2
+H100_RESOURCE = "accelerator_type:H100"
+WORKER_TYPES = {A10G_RESOURCE: "a10g", H100_RESOURCE: "h100"}
 
 
 def validate_on_a10g(checkpoint, config):
@@ -48,6 +58,29 @@ def validate_on_a10g(checkpoint, config):
     metrics = validate_digits(checkpoint, {})
     time.sleep(config["hold_s"])
     return {**metrics, "assigned_gpus": len(ray.get_gpu_ids())}
+
+
+def hold_a_gpu(checkpoint, config):
+    """A validation that imports nothing heavy: its running time is its hold."""
+    import ray
+
+    time.sleep(config["hold_s"])
+    return {"held_s": config["hold_s"], "assigned_gpus": len(ray.get_gpu_ids())}
+
+
+def fake_gpu_node(resource: str) -> dict:
+    """A node type of the fake provider: 2 CPUs, a fake GPU of one accelerator type."""
+    return {
+        "resources": {
+            "CPU": 2,
+            "GPU": 1,
+            resource: 1,
+            "object_store_memory": 150 * 1024 * 1024,
+        },
+        "node_config": {},
+        "min_workers": 0,
+        "max_workers": MAX_A10G_NODES if resource == A10G_RESOURCE else 1,
+    }
 
 
 def autoscaling_config(gcs_address: str, idle_timeout_min: float) -> dict:
@@ -69,17 +102,7 @@ def autoscaling_config(gcs_address: str, idle_timeout_min: float) -> dict:
         "auth": {},
         "available_node_types": {
             "ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0},
-            "a10g": {
-                "resources": {
-                    "CPU": 2,
-                    "GPU": 1,
-                    A10G_RESOURCE: 1,
-                    "object_store_memory": 150 * 1024 * 1024,
-                },
-                "node_config": {},
-                "min_workers": 0,
-                "max_workers": MAX_A10G_NODES,
-            },
+            "a10g": fake_gpu_node(A10G_RESOURCE),
         },
         "head_node_type": "ray.head.default",
         "file_mounts": {},
@@ -155,30 +178,46 @@ def stop_head(head: subprocess.Popen | None) -> None:
     head.wait(timeout=10)
 
 
-class A10GNodeSampler(threading.Thread):
-    """Samples the alive A10G nodes twice a second: the record of the scale-up and -down."""
+class ClusterSampler(threading.Thread):
+    """Samples twice a second the alive worker nodes of each type (the record of the
+    scale-up and -down) and, once given a run, its jobs' statuses (the record of waits)."""
 
     def __init__(self):
-        super().__init__(name="a10g-sampler", daemon=True)
+        super().__init__(name="cluster-sampler", daemon=True)
         self.began = time.monotonic()
-        self.samples: list[tuple[float, int]] = []
-        self.seen: set[str] = set()
+        self.samples: dict[str, list[tuple[float, int]]] = {t: [] for t in WORKER_TYPES.values()}
+        self.seen: dict[str, set[str]] = {t: set() for t in WORKER_TYPES.values()}
+        self.statuses: dict[int, list[str]] = {}  # job id -> its statuses, in order seen
+        self.watch: tuple | None = None  # (registry, run)
         self._stopping = threading.Event()
 
-    def count(self) -> int:
+    def count(self, node_type: str = "a10g") -> int:
         import ray
 
-        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and A10G_RESOURCE in n["Resources"]]
-        self.seen.update(alive)
         now = round(time.monotonic() - self.began, 1)
-        if not self.samples or self.samples[-1][1] != len(alive):
-            self.samples.append((now, len(alive)))  # changes only, with when they happened
-        return len(alive)
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        for resource, kind in WORKER_TYPES.items():
+            alive = [n["NodeID"] for n in nodes if resource in n["Resources"]]
+            self.seen[kind].update(alive)
+            samples = self.samples[kind]
+            if not samples or samples[-1][1] != len(alive):
+                samples.append((now, len(alive)))  # changes only, with when they happened
+        return self.samples[node_type][-1][1]
+
+    def look_at_jobs(self) -> None:
+        if self.watch is None:
+            return
+        registry, run = self.watch
+        for job in registry.validations(run):
+            seen = self.statuses.setdefault(job.id, [])
+            if not seen or seen[-1] != job.status:
+                seen.append(job.status)
 
     def run(self) -> None:
         while not self._stopping.wait(0.5):
             try:
                 self.count()
+                self.look_at_jobs()
             except Exception:  # noqa: BLE001 - a missed sample is retried next tick
                 pass
 
@@ -221,12 +260,102 @@ def save_checkpoint(model: torch.nn.Module, directory: str) -> None:
     torch.save(model.state_dict(), os.path.join(directory, "model.pt"))
 
 
+def report_checkpoints(client, args, checkpoint_class) -> None:
+    """The digits model's checkpoints, each validated on an A10G; then two whose
+    validations ask for what no node type offers: an H100, and an A10g (a typo)."""
+    torch.manual_seed(0)
+    x_train, _, y_train, _ = load_digits_split()
+    x, y = torch.from_numpy(x_train), torch.from_numpy(y_train).long()
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with tempfile.TemporaryDirectory() as scratch:
+        for step in range(args.checkpoints + 2):
+            for start in range(0, len(x), 64):
+                optimizer.zero_grad()
+                loss = torch.nn.functional.cross_entropy(
+                    model(x[start : start + 64]), y[start : start + 64]
+                )
+                loss.backward()
+                optimizer.step()
+            directory = os.path.join(scratch, str(step))
+            save_checkpoint(model, directory)
+            kind = A10G if step < args.checkpoints else ("H100", "A10g")[step - args.checkpoints]
+            client.report(
+                {"step": step, "train_loss": loss.item()},
+                checkpoint_class.from_directory(directory),
+                validate_fn=validate_on_a10g if kind == A10G else hold_a_gpu,
+                validate_config={"hold_s": args.hold_s if kind == A10G else 0.3},
+                validation_resources={"num_cpus": 1, "num_gpus": 1, "accelerator_type": kind},
+                timeout_s=None if kind == A10G else args.timeout_s,
+                max_attempts=3 if kind == A10G else 1,
+            )
+
+
+def refused_jobs(registry, run: str, indices: list[int], timeout_s: float = 120) -> dict:
+    """The jobs of these reports once FAILED: their error and how long it took."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        jobs = [j for j in registry.validations(run) if j.report_index in indices]
+        if all(j.status == "FAILED" for j in jobs) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return {
+        str(j.report_index): {
+            "job_id": j.id,
+            "status": j.status,
+            "error_type": j.error_type,
+            "error_message": j.error_message,
+            "seconds_to_fail": (j.finished_at - j.created_at).total_seconds()
+            if j.finished_at
+            else None,
+        }
+        for j in jobs
+    }
+
+
+def retry_with_an_h100_node_type(
+    config: dict, config_path: Path, types_path: Path, registry, job, gcs_address: str
+) -> str:
+    """The operator adds an "h100" node type: to ckval's node types first, then `ckval
+    retry JOB`; once the job has waited longer than its timeout_s, to the autoscaler's
+    config too (its monitor reads the file again every update), which adds the node."""
+    config["available_node_types"]["h100"] = fake_gpu_node(H100_RESOURCE)
+    config["max_workers"] = MAX_A10G_NODES + 1
+    types_path.write_text(json.dumps(config, indent=1))
+    ckval = os.path.join(os.path.dirname(sys.executable), "ckval")
+    env = dict(os.environ, CKVAL_RAY_ADDRESS=gcs_address)
+    done = subprocess.run(
+        [ckval, "retry", str(job.id)], env=env, capture_output=True, text=True, timeout=120
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"ckval retry failed ({done.returncode}): {done.stderr}")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        now = registry.get_job(job.id)
+        if now.status == "WAITING_FOR_RESOURCES":
+            claimed = now.attempt_history[-1].claimed_at
+            waited = (dt.datetime.now(dt.timezone.utc) - claimed).total_seconds()
+            if waited > job.timeout_s + 1:
+                break  # past what its timeout would have allowed, had waiting counted
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"job {job.id} did not wait for its node: {now.status}")
+    config_path.write_text(json.dumps(config, indent=1))
+    return done.stdout.strip()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoints", type=int, default=4)
     parser.add_argument("--hold-s", type=float, default=2.0)
     parser.add_argument("--idle-timeout-min", type=float, default=0.1)
     parser.add_argument("--scale-down-timeout-s", type=float, default=90.0)
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=6.0,
+        help="timeout_s of the H100 validation: it waits longer than that for its node",
+    )
     parser.add_argument(
         "--replicas",
         type=int,
@@ -252,6 +381,7 @@ def main() -> int:
         from ray.train import Checkpoint
 
         from trainer_integration import Client
+        from validation_service import _ray_compat
         from validation_service.config import ckval_env
         from validation_service.registry.registry import Registry
         from validation_service.service import ValidationService
@@ -262,6 +392,11 @@ def main() -> int:
         config = autoscaling_config(gcs_address, args.idle_timeout_min)
         config_path = Path(ray_tmpdir) / "autoscaling.json"
         config_path.write_text(json.dumps(config, indent=1))
+        # ckval reads the node types the autoscaler can add from a file of its own, as
+        # on KubeRay (there, a ConfigMap entry beside the RayCluster).
+        types_path = Path(ray_tmpdir) / "node_types.json"
+        types_path.write_text(json.dumps(config, indent=1))
+        os.environ["CKVAL_NODE_TYPES"] = str(types_path)
         head_log = Path(ray_tmpdir) / "ray-start.log"
         summary.update(gcs_address=gcs_address, head_log=str(head_log))
         head = start_head(port, ip, config_path, head_log)
@@ -269,7 +404,7 @@ def main() -> int:
         ray.init(address=gcs_address, log_to_driver=False, runtime_env={"env_vars": ckval_env()})
         timings["head_start_s"] = round(time.monotonic() - began, 1)
 
-        sampler = A10GNodeSampler()
+        sampler = ClusterSampler()
         summary["a10g_nodes_at_start"] = sampler.count()
         if summary["a10g_nodes_at_start"] != 0:
             raise AssertionError(f"{summary['a10g_nodes_at_start']} A10G nodes before any work")
@@ -280,49 +415,42 @@ def main() -> int:
 
         run = f"autoscale-{os.getpid()}"
         client = Client(run)
-        torch.manual_seed(0)
-        x_train, _, y_train, _ = load_digits_split()
-        x, y = torch.from_numpy(x_train), torch.from_numpy(y_train).long()
-        model = make_model()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        t0 = time.monotonic()
-        with tempfile.TemporaryDirectory() as scratch:
-            for step in range(args.checkpoints):
-                for start in range(0, len(x), 64):
-                    optimizer.zero_grad()
-                    loss = torch.nn.functional.cross_entropy(
-                        model(x[start : start + 64]), y[start : start + 64]
-                    )
-                    loss.backward()
-                    optimizer.step()
-                directory = os.path.join(scratch, str(step))
-                save_checkpoint(model, directory)
-                client.report(
-                    {"step": step, "train_loss": loss.item()},
-                    Checkpoint.from_directory(directory),
-                    validate_fn=validate_on_a10g,
-                    validate_config={"hold_s": args.hold_s},
-                    validation_resources={"num_cpus": 1, "num_gpus": 1, "accelerator_type": A10G},
-                )
-        timings["reports_s"] = round(time.monotonic() - t0, 1)
-
         registry = Registry()
+        sampler.watch = (registry, run)
+        t0 = time.monotonic()
+        report_checkpoints(client, args, Checkpoint)
+        timings["reports_s"] = round(time.monotonic() - t0, 1)
+        h100, typo = args.checkpoints, args.checkpoints + 1
+        summary["refused"] = refused_jobs(registry, run, [h100, typo])
+        summary["autoscaler_kind"] = _ray_compat.autoscaler_kind()
+        summary["service_cluster"] = service.status()["cluster"]
+
         if args.replicas > 1:
             summary["replica_killed"] = kill_a_replica_holding_a_lease(service, registry, run)
-        registry.wait(run, timeout_s=240)
+        registry.wait(run, timeout_s=240, raise_on_failure=False)
         if args.replicas > 1:
             summary["replicas_after"] = replicas_answering(service, args.replicas)
         timings["validations_s"] = round(time.monotonic() - t0, 1)
         sampler.count()
-        peak = max(count for _, count in sampler.samples)
+        peak = max(count for _, count in sampler.samples["a10g"])
         _harness.log(f"validations done in {timings['validations_s']}s; A10G peak {peak}")
-        attempts = _harness.attempts_of(registry, run)
+
+        # The operator adds the missing node type and retries: the job waits for the node.
+        t1 = time.monotonic()
+        job = registry.get_job(summary["refused"][str(h100)]["job_id"])
+        summary["retry_output"] = retry_with_an_h100_node_type(
+            config, config_path, types_path, registry, job, gcs_address
+        )
+        registry.wait(run, timeout_s=240, raise_on_failure=False)
+        timings["h100_retry_s"] = round(time.monotonic() - t1, 1)
+        sampler.look_at_jobs()
         summary.update(
             run=run,
             service_pools=service.status()["pools"],
             a10g_nodes_peak=peak,
             jobs={str(j.report_index): j.status for j in registry.validations(run)},
-            attempts=attempts,
+            job_statuses_seen={str(k): v for k, v in sampler.statuses.items()},
+            attempts=_harness.attempts_of(registry, run),
             checkpoints=[
                 {
                     "report_index": c.report_index,
@@ -335,16 +463,16 @@ def main() -> int:
         )
         service.stop()
 
-        # Scale-down: the A10G nodes, idle since the last validation, go after
+        # Scale-down: the worker nodes, idle since the last validation, go after
         # idle_timeout_minutes (the autoscaler looks once a second).
-        t1 = time.monotonic()
-        deadline = t1 + args.scale_down_timeout_s
-        while sampler.count() and time.monotonic() < deadline:
+        t2 = time.monotonic()
+        deadline = t2 + args.scale_down_timeout_s
+        while (sampler.count("a10g") or sampler.count("h100")) and time.monotonic() < deadline:
             time.sleep(0.5)
-        remaining = sampler.count()
-        summary["a10g_nodes_after_idle"] = remaining
-        if remaining == 0:
-            timings["scale_down_wait_s"] = round(time.monotonic() - t1, 1)
+        summary["a10g_nodes_after_idle"] = sampler.count("a10g")
+        summary["h100_nodes_after_idle"] = sampler.count("h100")
+        if not summary["a10g_nodes_after_idle"] + summary["h100_nodes_after_idle"]:
+            timings["scale_down_wait_s"] = round(time.monotonic() - t2, 1)
         summary["ok"] = True
     except BaseException:  # noqa: BLE001 - reported in the summary, then torn down
         summary["ok"] = False
@@ -352,7 +480,7 @@ def main() -> int:
         _harness.log(summary["error"])
         summary["monitor_log_tail"] = _monitor_log_tail(ray_tmpdir)
     finally:
-        t2 = time.monotonic()
+        t3 = time.monotonic()
         summary["teardown_errors"] = _harness.run_all(
             (lambda: _record_samples(sampler, summary)) if sampler is not None else None,
             _shutdown_ray,
@@ -361,17 +489,19 @@ def main() -> int:
                 leftover_processes_killed=_harness.kill_processes_with(ray_tmpdir)
             ),
         )
-        timings["teardown_s"] = round(time.monotonic() - t2, 1)
+        timings["teardown_s"] = round(time.monotonic() - t3, 1)
         timings["total_s"] = round(time.monotonic() - began, 1)
         summary["timings"] = timings
         _harness.emit(summary)
     return 0 if summary["ok"] else 1
 
 
-def _record_samples(sampler: A10GNodeSampler, summary: dict) -> None:
+def _record_samples(sampler: ClusterSampler, summary: dict) -> None:
     sampler.stop()
-    summary["a10g_node_count_changes"] = sampler.samples
-    summary["a10g_nodes_seen"] = sorted(sampler.seen)
+    summary["a10g_node_count_changes"] = sampler.samples["a10g"]
+    summary["a10g_nodes_seen"] = sorted(sampler.seen["a10g"])
+    summary["h100_node_count_changes"] = sampler.samples["h100"]
+    summary["h100_nodes_seen"] = sorted(sampler.seen["h100"])
 
 
 def _shutdown_ray() -> None:

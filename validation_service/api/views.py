@@ -77,6 +77,20 @@ def run_json(summary: records.RunSummary) -> dict[str, Any]:
         "checkpoints": summary.checkpoints,
         "jobs": {status.value: counts.get(status.value, 0) for status in JobStatus},
         "stop_decision": stop_decision_json(summary.stop),
+        "cost": cost_json(summary.cost),
+    }
+
+
+def cost_json(cost: records.ValidationCost) -> dict[str, Any]:
+    """What validations held: accelerator-seconds (accelerators x running time of every
+    attempt, retries included) in all, by validator, by pool and by accelerator type."""
+    return {
+        "accelerator_seconds": cost.accelerator_s,
+        "accelerator_hours": cost.accelerator_s / 3600.0,
+        "running_seconds": cost.running_s,
+        "by_validator": cost.by("validator"),
+        "by_pool": cost.by("pool"),
+        "by_accelerator_type": cost.by("accelerator_type"),
     }
 
 
@@ -130,8 +144,10 @@ def labelled_checkpoint_json(record: records.CheckpointRecord) -> dict[str, Any]
 def attempt_json(attempt: records.AttemptRecord) -> dict[str, Any]:
     return _pick(
         attempt,
-        "attempt status lease_owner node_id worker_pid claimed_at started_at finished_at error log",
+        "attempt status lease_owner node_id worker_pid claimed_at started_at finished_at error log "
+        "accelerator_type accelerators running_s accelerator_seconds",
         error="error_message",
+        accelerator_seconds="accelerator_s",
     )
 
 
@@ -143,7 +159,7 @@ def job_json(job: records.JobRecord) -> dict[str, Any]:
             "priority pool "
             "resources executor_kind validate_fn_name timeout_s not_before lease_owner "
             "lease_expires_at result_metrics error_type error_message error_traceback "
-            "created_at started_at finished_at",
+            "created_at started_at finished_at waiting_since waiting_for",
             attempt_count="attempts",
         ),
         "attempts": [attempt_json(attempt) for attempt in job.attempt_history],

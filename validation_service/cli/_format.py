@@ -95,3 +95,14 @@ def format_size(size_bytes: int | None) -> str:
             return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
         size /= 1024
     return str(size_bytes)
+
+
+def format_cost(cost: Any, by: str = "pool") -> str:
+    """A ValidationCost in a cell: its accelerator-seconds, then those of each ``by``
+    ("pool", "validator", "accelerator_type") that held any; "" where no attempt's
+    running time is known."""
+    if cost is None or not cost.lines:
+        return ""
+    parts = [f"{name} {format_float(value)}" for name, value in cost.by(by).items() if value]
+    total = format_float(cost.accelerator_s)
+    return f"{total} ({', '.join(parts)})" if parts else total

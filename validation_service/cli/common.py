@@ -17,7 +17,12 @@ from validation_service.cli._format import echo
 if TYPE_CHECKING:
     from validation_service.config import Settings
     from validation_service.registry._fast_read import FastReader
-    from validation_service.registry.records import CheckpointRecord, JobRecord, RunSummary
+    from validation_service.registry.records import (
+        CheckpointRecord,
+        JobRecord,
+        RunSummary,
+        ValidationCost,
+    )
     from validation_service.registry.registry import Registry
 
 T = TypeVar("T")
@@ -92,6 +97,16 @@ def list_checkpoints(ctx: click.Context, run: str) -> list[CheckpointRecord]:
     """`ckval checkpoints RUN`: FastReader.checkpoints, else Registry.checkpoints."""
     return read_listing(
         ctx, lambda reader: reader.checkpoints(run), lambda registry: registry.checkpoints(run)
+    )
+
+
+def list_validation_costs(ctx: click.Context, run: str) -> dict[int, ValidationCost]:
+    """`ckval checkpoints RUN`'s costs: FastReader.validation_costs, else
+    Registry.validation_costs."""
+    return read_listing(
+        ctx,
+        lambda reader: reader.validation_costs(run),
+        lambda registry: registry.validation_costs(run),
     )
 
 

@@ -39,8 +39,8 @@ _ACTIVE = frozenset(s.value for s in ACTIVE_JOB_STATUSES)
     multiple=True,
     callback=lambda ctx, param, values: _job_statuses(values),
     metavar="STATUS",
-    help="Only jobs in this status: QUEUED, RUNNING, SUCCEEDED, FAILED, TIMED_OUT or "
-    "CANCELLED (repeatable).",
+    help="Only jobs in this status: QUEUED, RUNNING, WAITING_FOR_RESOURCES, SUCCEEDED, "
+    "FAILED, TIMED_OUT or CANCELLED (repeatable).",
 )
 @click.option("--pool", default=None, help="Only jobs of this resource pool, e.g. A10G.")
 @click.option(
@@ -52,7 +52,9 @@ _ACTIVE = frozenset(s.value for s in ACTIVE_JOB_STATUSES)
 )
 @json_option
 @click.option(
-    "--watch", is_flag=True, help="Refresh until no job is QUEUED or RUNNING (Ctrl-C stops)."
+    "--watch",
+    is_flag=True,
+    help="Refresh until no job is QUEUED, RUNNING or WAITING_FOR_RESOURCES (Ctrl-C stops).",
 )
 @click.option(
     "--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1), hidden=True
@@ -70,7 +72,7 @@ def jobs(
 ) -> None:
     """List validation jobs: of RUN, or of the whole queue when RUN is left out.
 
-    Each row shows the job's status, attempts, pool, node and the error of a failed one.
+    Each row shows the job's status, attempts, pool, node, and its error or wait.
     """
     if watch and as_json:
         raise click.UsageError("--watch redraws a table; leave out --json")
@@ -129,7 +131,7 @@ def _jobs_table(found: Sequence[JobRecord], *, with_run: bool) -> str:
     rows = []
     for job in found:
         node = next((a.node_id for a in reversed(job.attempt_history) if a.node_id), None)
-        error = f"{job.error_type}: {job.error_message}" if job.error_type else ""
+        error = f"{job.error_type}: {job.error_message}" if job.error_type else waits_for(job)
         rows.append(
             [
                 job.id,
@@ -144,7 +146,27 @@ def _jobs_table(found: Sequence[JobRecord], *, with_run: bool) -> str:
             ]
         )
     headers = ["job", *(["run"] if with_run else []), "report", "status", "attempts", "pool"]
-    return render_table([*headers, "node", "validate_fn", "error"], rows)
+    return render_table([*headers, "node", "validate_fn", "error or wait"], rows)
+
+
+def waits_for(job: JobRecord) -> str:
+    """What a job WAITING_FOR_RESOURCES waits for, since when: "waiting 2m 3s for
+    {GPU: 1, accelerator_type:A10G}: the autoscaler can add a node of type a10g"."""
+    if job.waiting_for is None:
+        return ""
+    import datetime as dt
+
+    resources = job.waiting_for.get("resources") or {}
+    asked = ", ".join(
+        name if name.startswith("accelerator_type:") else f"{name}: {value:g}"
+        for name, value in sorted(resources.items())
+    )
+    since = ""
+    if job.waiting_since is not None:
+        seconds = int((dt.datetime.now(dt.timezone.utc) - job.waiting_since).total_seconds())
+        since = f" {seconds // 60}m {seconds % 60}s" if seconds >= 60 else f" {max(seconds, 0)}s"
+    note = job.waiting_for.get("note")
+    return f"waiting{since} for {{{asked}}}" + (f": {note}" if note else "")
 
 
 def _watch_jobs(
@@ -172,7 +194,7 @@ def _watch_jobs(
             if tty:
                 click.clear()
                 echo(_jobs_table(found, with_run=with_run))
-                echo(f"\n{now}  {len(active)} QUEUED or RUNNING; Ctrl-C stops watching")
+                echo(f"\n{now}  {len(active)} QUEUED, RUNNING or WAITING; Ctrl-C stops watching")
                 if note:
                     echo(note, err=True)
             elif seen is None:
@@ -187,7 +209,9 @@ def _watch_jobs(
                 counts: dict[str, int] = {}
                 for job in found:
                     counts[job.status] = counts.get(job.status, 0) + 1
-                echo(f"no job is QUEUED or RUNNING: {format_mapping(counts)}")
+                echo(
+                    f"no job is QUEUED, RUNNING or WAITING_FOR_RESOURCES: {format_mapping(counts)}"
+                )
                 return
             if first_look:
                 # Only now, with jobs waiting: connecting to Ray takes a second or two.
@@ -233,7 +257,7 @@ def _missing_service_note(settings: Settings) -> str | None:
 @click.pass_context
 def job(ctx: click.Context, job_id: int, as_json: bool, show_log: bool) -> None:
     """Show one validation job, its attempts and its stored traceback."""
-    from validation_service.cli._format import format_value, short_node_id
+    from validation_service.cli._format import format_value
 
     registry = registry_of(ctx)
     record = registry.get_job(job_id, namespace=registry.namespace)
@@ -260,12 +284,25 @@ def job(ctx: click.Context, job_id: int, as_json: bool, show_log: bool) -> None:
         "created_at": record.created_at,
         "started_at": record.started_at,
         "finished_at": record.finished_at,
+        "waiting": waits_for(record) or None,
         "result_metrics": record.result_metrics,
         "error_type": record.error_type,
         "error_message": record.error_message,
     }
     for name, value in fields.items():
         echo(f"{name:15} {format_value(value)}")
+    echo("")
+    echo(_attempts_table(record))
+    for warning in record.warnings:
+        echo(f"\nwarning: {warning}")
+    if record.error_traceback:
+        echo("\ntraceback:\n" + record.error_traceback)
+
+
+def _attempts_table(record: JobRecord) -> str:
+    """A job's attempts: where and when each ran, what it held, how it ended."""
+    from validation_service.cli._format import short_node_id
+
     rows = [
         [
             a.attempt,
@@ -274,16 +311,27 @@ def job(ctx: click.Context, job_id: int, as_json: bool, show_log: bool) -> None:
             a.worker_pid,
             a.started_at,
             a.finished_at,
+            a.running_s,
+            _held(a),
             (a.error_message or "")[:80],
         ]
         for a in record.attempt_history
     ]
-    echo("")
-    echo(render_table(["attempt", "status", "node", "pid", "started", "finished", "error"], rows))
-    for warning in record.warnings:
-        echo(f"\nwarning: {warning}")
-    if record.error_traceback:
-        echo("\ntraceback:\n" + record.error_traceback)
+    headers = ["attempt", "status", "node", "pid", "started", "finished", "running-s", "held"]
+    return render_table([*headers, "error"], rows)
+
+
+def _held(attempt) -> str:
+    """What an attempt held: "1 x A10G, 63.2 accelerator-s"; "" where unknown."""
+    if attempt.running_s is None:
+        return ""
+    from validation_service.cli._format import format_float
+
+    kind = f" x {attempt.accelerator_type}" if attempt.accelerator_type else " accelerators"
+    return (
+        f"{format_float(attempt.accelerators or 0.0)}{kind}, "
+        f"{format_float(attempt.accelerator_s or 0.0)} accelerator-s"
+    )
 
 
 def _echo_logs(record) -> None:

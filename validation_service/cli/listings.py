@@ -15,13 +15,14 @@ from validation_service.cli.common import (
     list_best_checkpoints,
     list_checkpoints,
     list_run_summaries,
+    list_validation_costs,
     registry_of,
     render_table,
 )
 from validation_service.cli.registry import run_rows, status_option
 
 if TYPE_CHECKING:
-    from validation_service.registry.records import CheckpointRecord
+    from validation_service.registry.records import CheckpointRecord, ValidationCost
 
 
 @click.command()
@@ -55,12 +56,16 @@ validator_option = click.option(
 @json_option
 @click.pass_context
 def checkpoints(ctx: click.Context, run: str, validator: str | None, as_json: bool) -> None:
-    """List the checkpoints of RUN with their merged metrics (or one validator's)."""
+    """List the checkpoints of RUN with their merged metrics (or one validator's), and
+    what their validations held in accelerator-seconds."""
     records = list_checkpoints(ctx, run)
     if as_json:
         _echo_checkpoints_json(records)
         return
-    echo(_checkpoint_table(records, validator=validator))
+    costs = list_validation_costs(ctx, run)
+    echo(_checkpoint_table(records, validator=validator, costs=costs))
+    if costs:
+        echo(_cost_lines(run, costs))
 
 
 @click.command()
@@ -136,11 +141,13 @@ def _checkpoint_table(
     metrics: list[str] | None = None,
     with_run: bool = False,
     validator: str | None = None,
+    costs: dict[int, ValidationCost] | None = None,
 ) -> str:
-    from validation_service.cli._format import format_size
+    from validation_service.cli._format import format_cost, format_size
 
     metrics = metrics or _metric_columns(records, validator)
-    headers = ["#", *(["run"] if with_run else []), "report", "validation", *metrics, "size", "uri"]
+    headers = ["#", *(["run"] if with_run else []), "report", "validation", *metrics, "size"]
+    headers += [*(["accelerator-s"] if costs else []), "uri"]
     rows = [
         [
             i + 1,
@@ -149,11 +156,30 @@ def _checkpoint_table(
             r.validation_status,
             *[_shown_metrics(r, validator).get(m) for m in metrics],
             format_size(r.size_bytes),
+            *([format_cost(costs.get(r.report_index), "validator")] if costs else []),
             r.uri,
         ]
         for i, r in enumerate(records)
     ]
     return render_table(headers, rows)
+
+
+def _cost_lines(run: str, costs: dict[int, ValidationCost]) -> str:
+    """What the run's validations held: accelerator-seconds in all, by validator, pool and
+    accelerator type (every checkpoint's, deleted ones' too)."""
+    from validation_service.cli._format import format_float
+    from validation_service.registry.records import ValidationCost
+
+    cost = ValidationCost(tuple(line for each in costs.values() for line in each.lines))
+    lines = [
+        f"\nvalidation cost of {run}: {format_float(cost.accelerator_s)} accelerator-seconds "
+        f"({format_float(cost.accelerator_s / 3600)} h), {format_float(cost.running_s)} s "
+        "running"
+    ]
+    for key, title in (("validator", "validator"), ("pool", "pool"), ("accelerator_type", "type")):
+        parts = [f"{name} {format_float(value)}" for name, value in cost.by(key).items()]
+        lines.append(f"  by {title}: {', '.join(parts)}")
+    return "\n".join(lines)
 
 
 COMMANDS: list[click.Command] = [runs, checkpoints, best]

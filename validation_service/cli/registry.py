@@ -29,8 +29,12 @@ status_option = click.option(
 
 
 def run_rows(summaries) -> tuple[list[str], list[list[Any]]]:
-    """Headers and rows of `ckval runs`, with each run's attempt and end."""
-    headers = ["run", "attempt", "status", "created", "ended", "checkpoints", "validations", "stop"]
+    """Headers and rows of `ckval runs`, with each run's attempt and end, and what its
+    validations held in accelerator-seconds (by pool)."""
+    from validation_service.cli._format import format_cost
+
+    headers = ["run", "attempt", "status", "created", "ended", "checkpoints", "validations"]
+    headers += ["stop", "accelerator-s (by pool)"]
     rows = [
         [
             s.run.name,
@@ -41,6 +45,7 @@ def run_rows(summaries) -> tuple[list[str], list[list[Any]]]:
             s.checkpoints,
             " ".join(f"{k}={v}" for k, v in sorted(s.job_counts.items())),
             stop_cell(s.stop),
+            format_cost(s.cost),
         ]
         for s in summaries
     ]

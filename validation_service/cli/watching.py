@@ -9,19 +9,19 @@ import click
 
 from validation_service.cli._format import echo, format_time
 from validation_service.cli.common import echo_json, json_option, registry_of, render_table
-from validation_service.cli.evaluations import _json_object, _tell_service, _validate_fn
+from validation_service.cli.evaluations import (
+    _command_options,
+    _json_object,
+    _tell_service,
+    _validate_fn,
+)
 
 
 @click.command()
 @click.argument("uri")
 @click.option("--run", required=True, help="The run its step folders join (made if new).")
 @click.option("--validate-fn", default=None, metavar="MODULE:FN", help="The validate_fn.")
-@click.option(
-    "--command",
-    default=None,
-    help="An outside program instead, e.g. 'python eval.py {checkpoint_dir} {result_path}'.",
-)
-@click.option("--timeout", "timeout_s", type=float, default=None, help="--command's time limit.")
+@_command_options
 @click.option("--validator", default="default", show_default=True, help="The evaluation's name.")
 @click.option("--config", default=None, metavar="JSON", help="validate_config, a JSON object.")
 @click.option(
@@ -35,7 +35,7 @@ from validation_service.cli.evaluations import _json_object, _tell_service, _val
 @click.pass_context
 def watch(ctx: click.Context, uri: str, **options: Any) -> None:
     """Register and validate each new step folder of URI (a path or any fsspec URI)."""
-    validate_fn = _validate_fn(options["validate_fn"], options["command"], options["timeout_s"])
+    validate_fn = _validate_fn(options)
     registry = registry_of(ctx)
     watch_id = registry.watch(
         uri,

@@ -1,31 +1,52 @@
-"""Runs a validation attempt as a plain Ray task with the resources the job asked for."""
+"""Runs a validation attempt as a plain Ray task with the resources the job asked for.
+
+The task streams two results: first where it runs and what Ray assigned it (the moment it
+runs: until then it waits for resources, and its timeout does not count), then the
+attempt's outcome.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import importlib
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import ray
 
+from validation_service.capacity import (
+    ClusterCapacity,
+    Verdict,
+    accelerator_type_in,
+    accelerators_held,
+    task_options,
+)
 from validation_service.config import Settings
-from validation_service.executors import AttemptHandle
+from validation_service.executors import AttemptHandle, AttemptUsage
 from validation_service.executors._run import run_attempt
 from validation_service.jobs import ExecutorKind
 from validation_service.registry.records import ClaimedJob, JobOutcome
 from validation_service.signing import PayloadTrust
 
+__all__ = ["RayTaskExecutor", "task_options"]
 
-@ray.remote(max_retries=0)
+
+@ray.remote(max_retries=0, num_returns="streaming")
 def _validation_task(
     job: ClaimedJob, storage_root: str, storage_options: dict, trust: PayloadTrust
-) -> dict:
+) -> Iterator[dict]:
     # The keys travel as an argument: Ray's state API shows a task's runtime_env, never
     # its arguments.
-    return run_attempt(job, storage_root, storage_options, trust)
+    context = ray.get_runtime_context()
+    yield {
+        "node_id": context.get_node_id(),
+        "started_at": dt.datetime.now(dt.timezone.utc),
+        "assigned": context.get_assigned_resources(),
+    }
+    yield run_attempt(job, storage_root, storage_options, trust)
 
 
 # What a warm-up may import besides ckval's attempt code: the frameworks a validation of
@@ -65,36 +86,47 @@ def _warm_up_task(modules: tuple[str, ...]) -> tuple[int, list[str]]:
 
 @dataclasses.dataclass
 class RayTaskHandle(AttemptHandle):
-    ref: ray.ObjectRef | None = None
-
-
-def task_options(resources: dict[str, Any]) -> dict[str, Any]:
-    """Ray task options from a job's resources dict."""
-    options: dict[str, Any] = {"num_cpus": resources.get("num_cpus", 1)}
-    if resources.get("num_gpus"):
-        options["num_gpus"] = resources["num_gpus"]
-    if resources.get("memory"):
-        options["memory"] = resources["memory"]
-    if resources.get("resources"):
-        options["resources"] = dict(resources["resources"])
-    if resources.get("accelerator_type"):
-        options["accelerator_type"] = resources["accelerator_type"]
-    return options
+    # The task's two results (ray.ObjectRefGenerator): where it runs, then the outcome.
+    stream: Any = None
+    running_since: float | None = None  # time.monotonic() when its first result came
+    usage: AttemptUsage | None = None
 
 
 class RayTaskExecutor:
     kind = ExecutorKind.RAY_TASK.value
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, capacity: ClusterCapacity | None = None):
         self.settings = settings
         self.trust = PayloadTrust.from_settings(settings)
+        self.capacity = capacity or ClusterCapacity(settings.node_types)
 
     def launch(self, job: ClaimedJob) -> RayTaskHandle:
-        ref = _validation_task.options(
+        stream = _validation_task.options(
             name=f"ckval-validate:{job.run}:{job.report_index}",
             **task_options(job.resources),
         ).remote(job, job.storage_root, self.settings.storage_options, self.trust)
-        return RayTaskHandle(job, time.monotonic(), ref)
+        return RayTaskHandle(job, time.monotonic(), stream)
+
+    def judge(self, job: ClaimedJob) -> Verdict:
+        """Whether a node of the cluster, or one its autoscaler can add, can run the job's
+        task (see capacity.ClusterCapacity)."""
+        return self.capacity.judge(job.resources)
+
+    def started(self, handle: RayTaskHandle) -> float | None:
+        return handle.running_since
+
+    def usage(self, handle: RayTaskHandle) -> AttemptUsage | None:
+        return handle.usage
+
+    def _began(self, handle: RayTaskHandle, first: dict[str, Any]) -> None:
+        """The task's first result: it runs, on this node, holding what Ray assigned."""
+        assigned = first.get("assigned") or {}
+        held = accelerators_held(assigned)
+        kind = accelerator_type_in(assigned)
+        if kind is None and held:
+            kind = self.capacity.accelerator_type_of(first["node_id"])
+        handle.running_since = time.monotonic()
+        handle.usage = AttemptUsage(first["node_id"], first["started_at"], kind, held)
 
     def warm_up(self, count: int, modules: Iterable[str]) -> list[ray.ObjectRef]:
         """Starts up to ``count`` worker processes for CPU validations, importing the
@@ -151,31 +183,44 @@ class RayTaskExecutor:
         ]
 
     def poll(self, handle: RayTaskHandle) -> JobOutcome | None:
-        ready, _ = ray.wait([handle.ref], timeout=0)
-        if not ready:
-            return None
         try:
-            result = ray.get(handle.ref)
+            while handle.stream.next_ready():
+                result = ray.get(next(handle.stream))
+                if handle.usage is None:
+                    self._began(handle, result)
+                    continue
+                return JobOutcome(**result, **handle.usage.outcome_fields())
+            if handle.stream.is_finished():
+                raise StopIteration
         except ray.exceptions.TaskCancelledError:
-            return JobOutcome(
-                succeeded=False,
-                error_type="TaskCancelled",
-                error_message="the validation task was cancelled",
-                retryable=False,
-            )
+            return self._lost(handle, "TaskCancelled", "the validation task was cancelled", False)
         except ray.exceptions.RayError as exc:
             # Worker crash, node loss, out of memory: the attempt may succeed elsewhere.
-            return JobOutcome(
-                succeeded=False,
-                error_type=type(exc).__name__,
-                error_message=str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc),
-                error_traceback=str(exc),
-                retryable=True,
-            )
-        return JobOutcome(**result)
+            text = str(exc).strip()
+            message = text.splitlines()[0] if text else repr(exc)
+            return self._lost(handle, type(exc).__name__, message, True, text)
+        except StopIteration:
+            message = "the validation task ended without an outcome"
+            return self._lost(handle, "TaskLost", message, True)
+        return None
+
+    def _lost(self, handle, error_type, message, retryable, traceback=None) -> JobOutcome:
+        """The outcome of an attempt whose task ended without one, with what it held."""
+        usage = handle.usage
+        held = {} if usage is None else usage.outcome_fields()
+        return JobOutcome(
+            succeeded=False,
+            error_type=error_type,
+            error_message=message,
+            error_traceback=traceback,
+            retryable=retryable,
+            node_id=None if usage is None else usage.node_id,
+            started_at=None if usage is None else usage.started_at,
+            **held,
+        )
 
     def cancel(self, handle: RayTaskHandle) -> None:
-        ray.cancel(handle.ref, force=True)
+        ray.cancel(handle.stream, force=True)
 
     def when_done(self, handle: RayTaskHandle, callback: Callable[[], None]) -> None:
-        handle.ref.future().add_done_callback(lambda _future: callback())
+        handle.stream.completed().future().add_done_callback(lambda _future: callback())

@@ -47,6 +47,9 @@ from validation_service.registry.records import (
     RunRecord,
     RunSummary,
     StopDecision,
+    ValidationCost,
+    costs_by_run,
+    run_summaries,
     with_evaluations,
 )
 
@@ -102,6 +105,8 @@ CHECKED_SETTINGS = frozenset(
         "shard_conflicts",
         "api_hosts",
         "max_manual_retries",
+        "resource_wait_s",
+        "node_types",
     }
 )
 
@@ -221,12 +226,10 @@ class FastReader:
                 jobs.setdefault(run_id, {})[job_status] = count
             decisions = _named_rows(db.execute(_fast_sql.STOP_DECISIONS, namespace))
             stops = {row["run_id"]: _stop_decision(row) for row in decisions}
+            spent = costs_by_run(db.execute(_fast_sql.COST_PER_RUN, namespace))
         if status is not None:
             runs = [run for run in runs if run.status == status]
-        return [
-            RunSummary(run, checkpoints.get(run.id, 0), jobs.get(run.id, {}), stops.get(run.id))
-            for run in runs
-        ]
+        return run_summaries(runs, checkpoints, jobs, stops, spent)
 
     def _require_run_id(self, db: sqlite3.Connection, name: str) -> int:
         """As Catalog.require_run_id: the run's latest attempt, else RunNotFound."""
@@ -301,6 +304,12 @@ class FastReader:
         if run_id is None:
             return db.execute(_fast_sql.ACTIVE_JOBS, _ACTIVE).fetchone()[0] or 0
         return db.execute(_fast_sql.ACTIVE_JOBS_OF_RUN, (*_ACTIVE, run_id)).fetchone()[0] or 0
+
+    def validation_costs(self, run: str) -> dict[int, ValidationCost]:
+        """As Registry.validation_costs: report index -> what its validations held."""
+        with self._snapshot() as db:
+            run_id = self._require_run_id(db, run)
+            return costs_by_run(db.execute(_fast_sql.COST_PER_CHECKPOINT, (run_id,)))
 
     # ------------------------------------------------------------------- jobs
     def list_jobs(
@@ -407,6 +416,7 @@ _DATETIMES = frozenset(
         "claimed_at",
         "decided_at",
         "overridden_at",
+        "waiting_since",
     }
 )
 _JSONS = frozenset(
@@ -421,6 +431,7 @@ _JSONS = frozenset(
         "metric_values",
         "skipped",
         "warnings",
+        "waiting_for",
     }
 )
 

@@ -28,7 +28,8 @@ _JOBS_HEAD = (
     "validation_jobs.error_traceback, validation_jobs.result_metrics, "
     "validation_jobs.warnings, validation_jobs.created_at, "
     "validation_jobs.updated_at, validation_jobs.started_at, "
-    "validation_jobs.finished_at, checkpoints.report_index, runs.name \n"
+    "validation_jobs.finished_at, validation_jobs.waiting_since, "
+    "validation_jobs.waiting_for, checkpoints.report_index, runs.name \n"
     "FROM validation_jobs JOIN checkpoints ON checkpoints.id = "
     "validation_jobs.checkpoint_id JOIN runs ON runs.id = validation_jobs.run_id \n"
 )
@@ -81,6 +82,18 @@ STOP_DECISIONS = (
     "FROM stop_decisions JOIN runs ON runs.id = stop_decisions.run_id \n"
     "WHERE runs.namespace = ? ORDER BY stop_decisions.run_id, stop_decisions.round"
 )
+COST_PER_RUN = (
+    "SELECT validation_jobs.run_id, validation_jobs.validator, validation_jobs.pool, "
+    "validation_attempts.accelerator_type, count(validation_attempts.id) AS count_1, "
+    "sum(validation_attempts.running_s) AS sum_1, "
+    "sum(coalesce(validation_attempts.accelerators, 0.0) * "
+    "validation_attempts.running_s) AS sum_2 \n"
+    "FROM validation_attempts JOIN validation_jobs ON validation_jobs.id = "
+    "validation_attempts.job_id JOIN runs ON runs.id = validation_jobs.run_id \n"
+    "WHERE runs.namespace = ? AND validation_attempts.running_s IS NOT NULL GROUP BY "
+    "validation_jobs.run_id, validation_jobs.validator, validation_jobs.pool, "
+    "validation_attempts.accelerator_type"
+)
 LIVE_CHECKPOINTS = (
     "SELECT checkpoints.id, checkpoints.report_index, checkpoints.step, "
     "checkpoints.epoch, checkpoints.uri, checkpoints.size_bytes, "
@@ -90,6 +103,19 @@ LIVE_CHECKPOINTS = (
     "FROM checkpoints \n"
     "WHERE checkpoints.run_id = ? AND checkpoints.deleted_at IS NULL ORDER BY "
     "checkpoints.report_index"
+)
+COST_PER_CHECKPOINT = (
+    "SELECT checkpoints.report_index, validation_jobs.validator, "
+    "validation_jobs.pool, validation_attempts.accelerator_type, "
+    "count(validation_attempts.id) AS count_1, sum(validation_attempts.running_s) AS "
+    "sum_1, sum(coalesce(validation_attempts.accelerators, 0.0) * "
+    "validation_attempts.running_s) AS sum_2 \n"
+    "FROM validation_attempts JOIN validation_jobs ON validation_jobs.id = "
+    "validation_attempts.job_id JOIN checkpoints ON checkpoints.id = "
+    "validation_jobs.checkpoint_id \n"
+    "WHERE validation_jobs.run_id = ? AND validation_attempts.running_s IS NOT NULL "
+    "GROUP BY checkpoints.report_index, validation_jobs.validator, "
+    "validation_jobs.pool, validation_attempts.accelerator_type"
 )
 CHECKPOINT_ALIASES = (
     "SELECT checkpoint_aliases.checkpoint_id, checkpoint_aliases.alias \n"
@@ -211,12 +237,14 @@ JOB_ATTEMPTS = (
     "validation_attempts.status, validation_attempts.claimed_at, "
     "validation_attempts.started_at, validation_attempts.finished_at, "
     "validation_attempts.node_id, validation_attempts.worker_pid, "
-    "validation_attempts.error_message, validation_attempts.log \n"
+    "validation_attempts.error_message, validation_attempts.log, "
+    "validation_attempts.accelerator_type, validation_attempts.accelerators, "
+    "validation_attempts.running_s \n"
     "FROM validation_attempts \n"
     "WHERE validation_attempts.job_id IN (__[POSTCOMPILE_ids]) ORDER BY "
     "validation_attempts.attempt"
 )
-ACTIVE_JOBS = _ACTIVE_JOBS_HEAD + "WHERE validation_jobs.status IN (?, ?)"
+ACTIVE_JOBS = _ACTIVE_JOBS_HEAD + "WHERE validation_jobs.status IN (?, ?, ?)"
 ACTIVE_JOBS_OF_RUN = (
-    _ACTIVE_JOBS_HEAD + "WHERE validation_jobs.status IN (?, ?) AND validation_jobs.run_id = ?"
+    _ACTIVE_JOBS_HEAD + "WHERE validation_jobs.status IN (?, ?, ?) AND validation_jobs.run_id = ?"
 )

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import bindparam
 from sqlalchemy.dialects import sqlite
 
-from validation_service.registry import aliases, evaluations, queue, stopping
+from validation_service.registry import aliases, costs, evaluations, queue, stopping
 from validation_service.registry._fast_sql_names import jobs_statement
 from validation_service.registry._migrate import VERSIONS_QUERY
 from validation_service.registry.catalog import Catalog, _best_query, checkpoints_query
@@ -49,8 +49,10 @@ def statements() -> dict[str, str]:
         "LIVE_CHECKPOINTS_PER_RUN": catalog._checkpoint_counts_query(),
         "JOBS_PER_RUN_AND_STATUS": queue.job_counts_by_run_query(""),
         "STOP_DECISIONS": stopping.decisions_query(""),
+        "COST_PER_RUN": costs.cost_by_run_query(""),
         # run id
         "LIVE_CHECKPOINTS": checkpoints_query(0, include_deleted=False),
+        "COST_PER_CHECKPOINT": costs.cost_by_checkpoint_query(0),
         # the checkpoint ids
         "CHECKPOINT_ALIASES": aliases.aliases_query(ids),
         "CHECKPOINT_TAGS": aliases.tags_query(ids),

@@ -11,7 +11,7 @@ import datetime as dt
 from collections.abc import Sequence
 
 from validation_service.errors import UnknownMetric
-from validation_service.registry import evaluations, stats, stopping
+from validation_service.registry import costs, evaluations, stats, stopping
 from validation_service.registry.catalog import Mode, NamespaceRoom
 from validation_service.registry.database import retry_on_disconnect
 from validation_service.registry.models import utcnow
@@ -132,3 +132,10 @@ class DashboardReader(NamespaceRoom):
         by pool in the database (see stats.job_time_totals)."""
         with self.db.read() as session:
             return stats.job_time_totals(session, duration_bounds, latency_bounds, until)
+
+    @retry_on_disconnect
+    def accelerator_totals(self, *, until: dt.datetime) -> list[tuple[str, str, str | None, float]]:
+        """(pool, validator, accelerator type, accelerator-seconds) of every attempt that
+        ended at or before ``until``, summed in the database (see costs.accelerator_totals)."""
+        with self.db.read() as session:
+            return costs.accelerator_totals(session, until)

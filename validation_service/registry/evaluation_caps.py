@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import Connection
 
 from validation_service.errors import InvalidInput
-from validation_service.jobs import JobStatus
+from validation_service.jobs import ACTIVE_JOB_STATUSES
 from validation_service.registry.models import Run, ValidationJob
 from validation_service.request import ValidationRequest
 
@@ -87,7 +87,7 @@ class RevalidationCaps:
                 f"{self.max_jobs} per request: ask for fewer checkpoints (reports=[...]) "
                 "or use `ckval revalidate`. Nothing was queued."
             )
-        active = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+        active = sorted(status.value for status in ACTIVE_JOB_STATUSES)
         queued = conn.execute(
             select(func.count(_jobs.c.id))
             .join(Run, Run.id == _jobs.c.run_id)

@@ -22,7 +22,11 @@ from sqlalchemy.engine import Connection, Row
 from sqlalchemy.orm import Session
 
 from validation_service.errors import InvalidInput, UnknownMetric
-from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus
+from validation_service.jobs import (
+    ACTIVE_JOB_STATUSES,
+    DEFAULT_VALIDATOR,
+    JobStatus,
+)
 from validation_service.metrics import rankable
 from validation_service.names import check_name
 from validation_service.registry import aliases, transitions
@@ -53,7 +57,7 @@ _jobs, _checkpoints, _values = (
 )
 # A checkpoint with a job of the validator in one of these is not queued again (force
 # queues it anyway); after FAILED, TIMED_OUT or CANCELLED, revalidate tries again.
-HAS_EVALUATION = (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.SUCCEEDED)
+HAS_EVALUATION = (*ACTIVE_JOB_STATUSES, JobStatus.SUCCEEDED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +303,7 @@ def known_metrics(session: Session, run_id: int | None, validator: str) -> set[s
 
 
 def active_jobs(session: Session, run_id: int | None, validator: str) -> int:
-    statuses = [JobStatus.QUEUED.value, JobStatus.RUNNING.value]
+    statuses = sorted(status.value for status in ACTIVE_JOB_STATUSES)
     query = select(_jobs.c.id).where(_jobs.c.validator == validator, _jobs.c.status.in_(statuses))
     if run_id is not None:
         query = query.where(_jobs.c.run_id == run_id)

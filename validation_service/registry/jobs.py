@@ -108,6 +108,36 @@ class JobQueue:
             return transitions.extend_leases(conn, owner, leases, expires)
 
     @retry_on_disconnect
+    def wait_for_resources(
+        self, owner: str, waits: Iterable[tuple[int, int, dict[str, Any]]]
+    ) -> list[int]:
+        """The (job id, lease token, what it waits for) attempts whose Ray task waits for
+        resources become WAITING_FOR_RESOURCES; returns the ids that did."""
+        waits = list(waits)
+        if not waits:
+            return []
+        with self.db.write() as conn:
+            return transitions.wait_for_resources(conn, owner, waits, utcnow())
+
+    @retry_on_disconnect
+    def start_running(self, owner: str, leases: Iterable[tuple[int, int]]) -> list[int]:
+        """The (job id, lease token) attempts whose Ray task began to run after waiting
+        for resources are RUNNING again; returns the ids that were."""
+        leases = list(leases)
+        if not leases:
+            return []
+        with self.db.write() as conn:
+            return transitions.start_running(conn, owner, leases, utcnow())
+
+    @retry_on_disconnect
+    def record_usage(self, job_id: int, lease_token: int, usage: JobOutcome) -> bool:
+        """What an attempt held (``usage``: its node, start, accelerator type and count),
+        for an attempt the service stopped after its lease was lost (cancelled, taken
+        over): its running time is counted up to now."""
+        with self.db.write() as conn:
+            return transitions.record_usage(conn, job_id, lease_token, usage, utcnow())
+
+    @retry_on_disconnect
     def job_and_run_tags(
         self, job_id: int, run: str, namespace: str
     ) -> tuple[JobRecord, dict[str, Any]]:

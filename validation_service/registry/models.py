@@ -188,7 +188,8 @@ class ValidationJob(Base):
     )
     # Queued over history (revalidate): claimed after the live runs' jobs of its pool.
     background: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
-    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value)
+    # 32: WAITING_FOR_RESOURCES (migration 0009).
+    status: Mapped[str] = mapped_column(String(32), default=JobStatus.QUEUED.value)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer, default=3)
     # Attempts made before the last `retry`: each retry grants max_attempts afresh.
@@ -210,6 +211,10 @@ class ValidationJob(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     started_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
     finished_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    # While WAITING_FOR_RESOURCES: since when, and what for (the Ray resources its task
+    # asks for, and the nodes or node types that could serve it).
+    waiting_since: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    waiting_for: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="jobs")
     attempt_rows: Mapped[list[ValidationAttempt]] = relationship(
@@ -239,6 +244,11 @@ class ValidationAttempt(Base):
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
     # The attempt's output, when its validator keeps it (a CommandValidator's program).
     log: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # What the attempt held while it ran: its node's accelerator type, how many
+    # accelerators (GPUs), and for how many seconds (None where nobody saw it run).
+    accelerator_type: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    accelerators: Mapped[float | None] = mapped_column(Float, nullable=True)
+    running_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     job: Mapped[ValidationJob] = relationship(back_populates="attempt_rows")
 

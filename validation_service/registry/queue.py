@@ -16,7 +16,12 @@ from sqlalchemy.engine import Connection, Row
 from sqlalchemy.orm import Session, selectinload
 
 from validation_service.errors import JobNotFound
-from validation_service.jobs import ACTIVE_JOB_STATUSES, DEFAULT_VALIDATOR, JobStatus
+from validation_service.jobs import (
+    ACTIVE_JOB_STATUSES,
+    DEFAULT_VALIDATOR,
+    LEASED_JOB_STATUSES,
+    JobStatus,
+)
 from validation_service.registry import raw_sql, transitions
 from validation_service.registry.limits import IDS_PER_IN_LIST
 from validation_service.registry.models import (
@@ -34,6 +39,8 @@ from validation_service.registry.records import (
 
 _ACTIVE = sorted(s.value for s in ACTIVE_JOB_STATUSES)
 _jobs = ValidationJob.__table__
+# Jobs under a lease: RUNNING, or WAITING_FOR_RESOURCES (each takes a slot of its pool).
+_LEASED = _jobs.c.status.in_(sorted(s.value for s in LEASED_JOB_STATUSES))
 
 # What a transition needs to know of a job it applies to (see transitions.py).
 LEASE_COLUMNS = (
@@ -138,19 +145,15 @@ def running_in_pool(conn: Connection, pool: str) -> int:
 
 # --------------------------------------------- jobs a transition applies to
 def expired(conn: Connection, now: dt.datetime) -> Sequence[Row]:
-    """RUNNING jobs whose lease ran out."""
-    return conn.execute(
-        select(*LEASE_COLUMNS).where(
-            _jobs.c.status == JobStatus.RUNNING.value, _jobs.c.lease_expires_at < now
-        )
-    ).all()
+    """Leased jobs whose lease ran out."""
+    return conn.execute(select(*LEASE_COLUMNS).where(_LEASED, _jobs.c.lease_expires_at < now)).all()
 
 
 def leased_by_others(conn: Connection, owner_prefix: str, keep_owner: str) -> Sequence[Row]:
-    """RUNNING jobs leased by owners named ``owner_prefix...`` other than ``keep_owner``."""
+    """Leased jobs of owners named ``owner_prefix...`` other than ``keep_owner``."""
     return conn.execute(
         select(*LEASE_COLUMNS).where(
-            _jobs.c.status == JobStatus.RUNNING.value,
+            _LEASED,
             _jobs.c.lease_owner.startswith(owner_prefix, autoescape=True),
             _jobs.c.lease_owner != keep_owner,
         )
@@ -158,12 +161,8 @@ def leased_by_others(conn: Connection, owner_prefix: str, keep_owner: str) -> Se
 
 
 def leased_by(conn: Connection | Session, owner: str, exclude: set[int]) -> list[Row]:
-    """RUNNING jobs leased by ``owner``, but those in ``exclude``."""
-    rows = conn.execute(
-        select(*LEASE_COLUMNS).where(
-            _jobs.c.status == JobStatus.RUNNING.value, _jobs.c.lease_owner == owner
-        )
-    ).all()
+    """Jobs leased by ``owner``, but those in ``exclude``."""
+    rows = conn.execute(select(*LEASE_COLUMNS).where(_LEASED, _jobs.c.lease_owner == owner)).all()
     return [row for row in rows if row.id not in exclude]
 
 
@@ -234,13 +233,12 @@ def lock_due_job_ids(
     return ids
 
 
+# A pool's slots: its RUNNING jobs and those WAITING_FOR_RESOURCES.
 _RUNNING_PER_POOL = (
-    select(_jobs.c.pool, func.count(_jobs.c.id))
-    .where(_jobs.c.status == JobStatus.RUNNING.value)
-    .group_by(_jobs.c.pool)
+    select(_jobs.c.pool, func.count(_jobs.c.id)).where(_LEASED).group_by(_jobs.c.pool)
 )
 _RUNNING_IN_POOL = select(func.count(_jobs.c.id)).where(
-    _jobs.c.status == JobStatus.RUNNING.value, _jobs.c.pool == bindparam("b_pool")
+    _LEASED, _jobs.c.pool == bindparam("b_pool")
 )
 
 

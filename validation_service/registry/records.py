@@ -95,6 +95,29 @@ class RunSummary:
     checkpoints: int
     job_counts: dict[str, int]
     stop: StopDecision | None = None
+    # What its validations held, in accelerator-seconds.
+    cost: ValidationCost = dataclasses.field(default_factory=lambda: ValidationCost())
+
+
+def run_summaries(
+    runs: list[RunRecord],
+    checkpoints: dict[int, int],
+    jobs: dict[int, dict[str, int]],
+    stops: dict[int, StopDecision],
+    costs: dict[int, ValidationCost],
+) -> list[RunSummary]:
+    """A RunSummary of each run, from the figures read per run id (the Registry's and the
+    CLI's fast read alike)."""
+    return [
+        RunSummary(
+            run,
+            checkpoints.get(run.id, 0),
+            jobs.get(run.id, {}),
+            stops.get(run.id),
+            costs.get(run.id) or ValidationCost(),
+        )
+        for run in runs
+    ]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -150,6 +173,18 @@ class AttemptRecord:
     error_message: str | None
     # What the attempt printed, when its validator kept it (a CommandValidator's program).
     log: str | None = None
+    # What it held while it ran: its node's accelerator type, how many accelerators, and
+    # for how long (None where nobody saw it run: a lost service, an attempt never started).
+    accelerator_type: str | None = None
+    accelerators: float | None = None
+    running_s: float | None = None
+
+    @property
+    def accelerator_s(self) -> float | None:
+        """Accelerator-seconds the attempt held: accelerators x running time."""
+        if self.running_s is None:
+            return None
+        return (self.accelerators or 0.0) * self.running_s
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,6 +221,11 @@ class JobRecord:
     # What went otherwise than asked though the job ran, newest last (a sink that logged
     # to its own tracker run instead of the one the run recorded): the warnings column.
     warnings: tuple[str, ...] = ()
+    # While WAITING_FOR_RESOURCES: since when, and what for ({"resources": the Ray
+    # resources its task asks for, "fits": the nodes or node types that can serve it,
+    # "note": why it waits}).
+    waiting_since: dt.datetime | None = None
+    waiting_for: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # The column is a JSON list, or NULL for a job with none.
@@ -270,3 +310,83 @@ class JobOutcome:
     finished_at: dt.datetime | None = None
     # What the attempt printed, when it kept it (a CommandValidator's program output).
     log: str | None = None
+    # What it held while it ran (see AttemptRecord).
+    accelerator_type: str | None = None
+    accelerators: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CostLine:
+    """The accelerator time of one group of attempts: one validator's, in one pool, on
+    one accelerator type (None: no accelerator, or an unknown type)."""
+
+    validator: str
+    pool: str
+    accelerator_type: str | None
+    attempts: int  # attempts whose running time is known
+    running_s: float
+    accelerator_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidationCost:
+    """What validations held, in accelerator-seconds (accelerators x running time of each
+    attempt, retries included), by validator, pool and accelerator type."""
+
+    lines: tuple[CostLine, ...] = ()
+
+    @property
+    def accelerator_s(self) -> float:
+        return sum(line.accelerator_s for line in self.lines)
+
+    @property
+    def running_s(self) -> float:
+        return sum(line.running_s for line in self.lines)
+
+    def by(self, key: str) -> dict[str, float]:
+        """Accelerator-seconds by "validator", "pool" or "accelerator_type" (an attempt
+        without an accelerator type counts under "none")."""
+        totals: dict[str, float] = {}
+        for line in self.lines:
+            name = getattr(line, key) or "none"
+            totals[name] = totals.get(name, 0.0) + line.accelerator_s
+        return dict(sorted(totals.items()))
+
+    @classmethod
+    def of_rows(cls, rows: Any) -> ValidationCost:
+        """From rows of (validator, pool, accelerator_type, attempts, running_s,
+        accelerator_s), as the registry's cost statements group them."""
+        lines = [
+            CostLine(validator, pool, kind, int(n), float(running or 0), float(accel or 0))
+            for validator, pool, kind, n, running, accel in rows
+        ]
+        return cls(tuple(sorted(lines, key=_cost_order)))
+
+    @classmethod
+    def of_jobs(cls, jobs: Any) -> ValidationCost:
+        """From JobRecords with their attempts (a run page's, a listing's)."""
+        groups: dict[tuple[str, str, str | None], list[float]] = {}
+        for job in jobs:
+            for attempt in job.attempt_history:
+                if attempt.running_s is None:
+                    continue
+                key = (job.validator, job.pool, attempt.accelerator_type)
+                found = groups.setdefault(key, [0, 0.0, 0.0])
+                found[0] += 1
+                found[1] += attempt.running_s
+                found[2] += attempt.accelerator_s or 0.0
+        return cls.of_rows((*key, *values) for key, values in groups.items())
+
+
+def costs_by_run(rows: Any) -> dict[int, ValidationCost]:
+    """Run id (or report index) -> its ValidationCost, from rows of (run id, validator,
+    pool, accelerator type, attempts, running_s, accelerator_s): registry/costs.py's
+    statements."""
+    by_run: dict[int, list[tuple]] = {}
+    for run_id, *line in rows:
+        by_run.setdefault(run_id, []).append(tuple(line))
+    return {run_id: ValidationCost.of_rows(lines) for run_id, lines in by_run.items()}
+
+
+def _cost_order(line: CostLine) -> tuple[str, str, str]:
+    return (line.validator, line.pool, line.accelerator_type or "")

@@ -27,6 +27,7 @@ from validation_service.registry import aliases as alias_store
 from validation_service.registry import (
     assemblies,
     composition,
+    costs,
     evaluations,
     outside_folders,
     queue,
@@ -44,6 +45,7 @@ from validation_service.registry.records import (
     RunRecord,
     RunSummary,
     StopDecision,
+    run_summaries,
 )
 from validation_service.registry.registry_jobs import RegistryJobs
 from validation_service.stopping import StopPolicy
@@ -145,16 +147,15 @@ class Registry(RegistryJobs):
     @retry_on_disconnect
     def run_summaries(self, status: RunStatus | str | None = None) -> list[RunSummary]:
         """Every run attempt (only those in ``status``) with its checkpoint count, job
-        counts and latest stop decision, in four queries."""
+        counts, latest stop decision and what its validations held (accelerator-seconds),
+        in five queries."""
         with self.db.read() as session:
             runs = _with_status(self.catalog.runs(session), status)
             checkpoints = self.catalog.checkpoint_counts(session)
             jobs = queue.job_counts_by_run(session, self.namespace)
             stops = stopping.latest_decisions(session, self.namespace)
-        return [
-            RunSummary(run, checkpoints.get(run.id, 0), jobs.get(run.id, {}), stops.get(run.id))
-            for run in runs
-        ]
+            spent = costs.cost_by_run(session, self.namespace)
+        return run_summaries(runs, checkpoints, jobs, stops, spent)
 
     # ------------------------------------------------------------ checkpoints
     @retry_on_disconnect

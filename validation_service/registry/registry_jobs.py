@@ -12,11 +12,11 @@ from validation_service import validation
 from validation_service.errors import InvalidInput
 from validation_service.jobs import JobStatus
 from validation_service.progress import ProgressRenderer
-from validation_service.registry import queue, transitions, waiting
+from validation_service.registry import costs, queue, transitions, waiting
 from validation_service.registry.catalog import Catalog
 from validation_service.registry.database import Database, retry_on_disconnect
 from validation_service.registry.jobs import JobQueue
-from validation_service.registry.records import JobRecord
+from validation_service.registry.records import JobRecord, ValidationCost
 
 RETRYABLE_STATUSES = (JobStatus.FAILED, JobStatus.TIMED_OUT, JobStatus.CANCELLED)
 
@@ -56,6 +56,15 @@ class RegistryJobs:
             return queue.list_jobs(
                 session, self.namespace, run_id=run_id, statuses=wanted, pool=pool, limit=limit
             )
+
+    @retry_on_disconnect
+    def validation_costs(self, run: str) -> dict[int, ValidationCost]:
+        """Report index -> what the validations of that checkpoint of the run's latest
+        attempt held (accelerator-seconds by validator, pool and accelerator type); a
+        checkpoint none of whose attempts was seen running is left out."""
+        with self.db.read() as session:
+            run_id = self.catalog.require_run_id(session, run)
+            return costs.cost_by_checkpoint(session, run_id)
 
     @retry_on_disconnect
     def get_job(self, job_id: int, *, namespace: str | None = None) -> JobRecord:

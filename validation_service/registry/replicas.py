@@ -12,7 +12,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from validation_service.jobs import JobStatus
+from validation_service.jobs import LEASED_JOB_STATUSES
 from validation_service.registry.database import Database
 from validation_service.registry.models import ServiceReplica, ValidationJob, utcnow
 
@@ -112,7 +112,7 @@ def replica_records(
     leases = (
         select(func.count(_jobs.c.id))
         .where(
-            _jobs.c.status == JobStatus.RUNNING.value,
+            _jobs.c.status.in_(sorted(status.value for status in LEASED_JOB_STATUSES)),
             _jobs.c.lease_owner == _replicas.c.owner,
         )
         .scalar_subquery()

@@ -17,8 +17,9 @@ from sqlalchemy import Float, and_, bindparam, case, cast, func, select
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
-from validation_service.jobs import JobStatus
+from validation_service.jobs import ACTIVE_JOB_STATUSES, LEASED_JOB_STATUSES, JobStatus
 from validation_service.metrics import lower_is_better
+from validation_service.registry import costs
 from validation_service.registry.models import (
     Checkpoint,
     MetricValue,
@@ -31,7 +32,9 @@ from validation_service.validation import INT64_MAX, MAX_BEST_K, check_int
 
 Mode = Literal["max", "min"]
 
-_QUEUED, _RUNNING = JobStatus.QUEUED.value, JobStatus.RUNNING.value
+_QUEUED = JobStatus.QUEUED.value
+_ACTIVE = sorted(s.value for s in ACTIVE_JOB_STATUSES)
+_LEASED = sorted(s.value for s in LEASED_JOB_STATUSES)
 _TERMINAL = sorted(
     s.value
     for s in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.TIMED_OUT, JobStatus.CANCELLED)
@@ -73,8 +76,8 @@ class MetricPoint:
 class QueueHealth:
     """What the queue says about whether a scheduler serves it (see queue_health)."""
 
-    live_leases: int  # RUNNING jobs whose lease a scheduler extended recently enough
-    expired_leases: int  # RUNNING jobs whose lease ran out and nobody requeued
+    live_leases: int  # leased jobs whose lease a scheduler extended recently enough
+    expired_leases: int  # leased jobs whose lease ran out and nobody requeued
     overdue_queued: int  # QUEUED jobs due for longer than the grace period, unclaimed
     oldest_due_s: float  # age of the oldest due QUEUED job (0 when none)
 
@@ -149,7 +152,7 @@ def run_page(
         metric = names[0]
     mode = mode or default_mode(metric or "")
     best = _best_per_run(session, ids, metric, mode) if metric else {}
-    active = sum(c.get(_QUEUED, 0) + c.get(_RUNNING, 0) for c in counts.values())
+    active = sum(c.get(status, 0) for c in counts.values() for status in _ACTIVE)
     rows = [
         RunActivity(
             runs[run_id], checkpoints.get(run_id, 0), counts.get(run_id, {}), best.get(run_id), last
@@ -259,7 +262,7 @@ def active_jobs(session: Session, run_ids: Sequence[int]) -> int:
         session.scalar(
             select(func.count(ValidationJob.id)).where(
                 ValidationJob.run_id.in_(list(run_ids)),
-                ValidationJob.status.in_([_QUEUED, _RUNNING]),
+                ValidationJob.status.in_(_ACTIVE),
             )
         )
         or 0
@@ -414,22 +417,34 @@ def queue_health(session: Session, now: dt.datetime, grace_s: float) -> QueueHea
 
     A scheduler extends its leases every heartbeat and requeues expired ones every tick, so
     a live lease means one served the queue within a lease period, and an expired lease or
-    an overdue job means none does now. Only QUEUED and RUNNING rows are read.
+    an overdue job means none does now. Only QUEUED and leased rows are read (RUNNING,
+    WAITING_FOR_RESOURCES).
     """
     jobs = ValidationJob
     overdue_before = now - dt.timedelta(seconds=grace_s)
-    running, queued = jobs.status == _RUNNING, jobs.status == _QUEUED
+    running, queued = jobs.status.in_(_LEASED), jobs.status == _QUEUED
     row = session.execute(
         select(
             _count_if(and_(running, jobs.lease_expires_at > now)),
             _count_if(and_(running, jobs.lease_expires_at <= now)),
             _count_if(and_(queued, jobs.not_before <= overdue_before)),
             func.min(case((and_(queued, jobs.not_before <= now), jobs.not_before))),
-        ).where(jobs.status.in_([_QUEUED, _RUNNING]))
+        ).where(jobs.status.in_(_ACTIVE))
     ).one()
     oldest = row[3]
     age = (now - _aware(oldest)).total_seconds() if oldest is not None else 0.0
     return QueueHealth(int(row[0]), int(row[1]), int(row[2]), max(age, 0.0))
+
+
+def longest_resource_waits(session: Session, now: dt.datetime) -> dict[str, float]:
+    """Pool -> how long its longest-waiting WAITING_FOR_RESOURCES job has waited."""
+    waiting = JobStatus.WAITING_FOR_RESOURCES.value
+    rows = session.execute(
+        select(ValidationJob.pool, func.min(ValidationJob.waiting_since))
+        .where(ValidationJob.status == waiting, ValidationJob.waiting_since.is_not(None))
+        .group_by(ValidationJob.pool)
+    )
+    return {pool: max(0.0, (now - _aware(since)).total_seconds()) for pool, since in rows}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,6 +456,8 @@ class MetricsSnapshot:
     checkpoints_registered: int
     health: QueueHealth
     changed: list[JobTimes]  # jobs changed since the scrape's cutoff
+    waits: dict[str, float]  # pool -> its longest current wait for resources (seconds)
+    attempt_costs: list[costs.AttemptCost]  # ended attempts of the jobs changed since
 
 
 def metrics_snapshot(
@@ -452,4 +469,6 @@ def metrics_snapshot(
         checkpoints_registered=checkpoints_registered(session),
         health=queue_health(session, now, grace_s),
         changed=jobs_changed_since(session, changed_since),
+        waits=longest_resource_waits(session, now),
+        attempt_costs=costs.attempts_of_jobs_changed_since(session, changed_since),
     )

@@ -4,11 +4,16 @@ and attempt rows, and the validation status its checkpoint mirrors.
     enqueue                                  -> QUEUED    (the row; registration.py
                                                               writes it with its checkpoint)
     claim          QUEUED                    -> RUNNING   (new lease token, attempt opened)
-    extend_leases  RUNNING                   -> RUNNING   (the lease holder only)
-    finish         RUNNING                   -> SUCCEEDED | FAILED | TIMED_OUT | QUEUED
-    expire         RUNNING                   -> QUEUED | FAILED  (its lease holder is gone)
-    cancel         QUEUED, RUNNING           -> CANCELLED
+    wait_for_resources  RUNNING  -> WAITING_FOR_RESOURCES  (its Ray task waits; the holder)
+    start_running  WAITING_FOR_RESOURCES     -> RUNNING   (its task began; the lease holder)
+    extend_leases  RUNNING, WAITING_...      -> the same  (the lease holder only)
+    finish         RUNNING, WAITING_...      -> SUCCEEDED | FAILED | TIMED_OUT | QUEUED
+    expire         RUNNING, WAITING_...      -> QUEUED | FAILED  (its lease holder is gone)
+    cancel         QUEUED, RUNNING, WAITING_... -> CANCELLED
     retry          FAILED, TIMED_OUT, CANCELLED -> QUEUED  (a fresh attempt budget, capped)
+
+What an attempt held (node, accelerators, running time) is written with its end, or by
+record_usage after the service stopped it on losing its lease.
 
 Each takes an open connection (the caller owns the transaction) and repeats the states it
 starts from in its WHERE clause, so it never applies to a job that moved on meanwhile.
@@ -28,6 +33,7 @@ from validation_service.jobs import (
     ACTIVE_JOB_STATUSES,
     DEFAULT_VALIDATOR,
     JOB_TO_VALIDATION_STATUS,
+    LEASED_JOB_STATUSES,
     JobStatus,
     ValidationStatus,
 )
@@ -46,16 +52,23 @@ _jobs, _checkpoints, _attempts = (
 
 FROM_STATES: dict[str, frozenset[JobStatus]] = {
     "claim": frozenset({JobStatus.QUEUED}),
-    "extend_leases": frozenset({JobStatus.RUNNING}),
-    "finish": frozenset({JobStatus.RUNNING}),
-    "expire": frozenset({JobStatus.RUNNING}),
+    "wait_for_resources": frozenset({JobStatus.RUNNING}),
+    "start_running": frozenset({JobStatus.WAITING_FOR_RESOURCES}),
+    "extend_leases": LEASED_JOB_STATUSES,
+    "finish": LEASED_JOB_STATUSES,
+    "expire": LEASED_JOB_STATUSES,
     "cancel": ACTIVE_JOB_STATUSES,
     "retry": frozenset({JobStatus.FAILED, JobStatus.TIMED_OUT, JobStatus.CANCELLED}),
 }
 
 
-# What every transition out of RUNNING clears, and what a requeue by the user clears.
-_NO_LEASE = {"lease_owner": None, "lease_expires_at": None}
+# What every transition out of a leased state clears, and what a requeue by the user clears.
+_NO_LEASE = {
+    "lease_owner": None,
+    "lease_expires_at": None,
+    "waiting_since": None,
+    "waiting_for": None,
+}
 _NO_ERROR = {"error_type": None, "error_message": None, "error_traceback": None}
 
 
@@ -163,6 +176,104 @@ def extend_leases(
     return set(conn.execute(select(_jobs.c.id).where(held)).scalars())
 
 
+# ------------------------------------------------- waiting for resources
+def wait_for_resources(
+    conn: Connection,
+    owner: str,
+    waits: Sequence[tuple[int, int, dict[str, Any]]],
+    now: dt.datetime,
+) -> list[int]:
+    """RUNNING -> WAITING_FOR_RESOURCES for the (job id, lease token, what it waits for)
+    leases ``owner`` holds: their Ray task waits for resources. Returns the ids moved."""
+    moved = [
+        row
+        for job_id, token, waiting_for in waits
+        for row in _held_move(
+            conn,
+            (owner, job_id, token),
+            "wait_for_resources",
+            status=JobStatus.WAITING_FOR_RESOURCES.value,
+            waiting_since=now,
+            waiting_for=waiting_for,
+            updated_at=now,
+        )
+    ]
+    _mirror(conn, moved, JobStatus.WAITING_FOR_RESOURCES)
+    return [row.id for row in moved]
+
+
+def start_running(
+    conn: Connection, owner: str, leases: Sequence[tuple[int, int]], now: dt.datetime
+) -> list[int]:
+    """WAITING_FOR_RESOURCES -> RUNNING for the (job id, lease token) leases ``owner``
+    holds: their Ray task began to run. Returns the ids moved."""
+    moved = [
+        row
+        for job_id, token in leases
+        for row in _held_move(
+            conn,
+            (owner, job_id, token),
+            "start_running",
+            status=JobStatus.RUNNING.value,
+            waiting_since=None,
+            waiting_for=None,
+            updated_at=now,
+        )
+    ]
+    _mirror(conn, moved, JobStatus.RUNNING)
+    return [row.id for row in moved]
+
+
+def _held_move(conn: Connection, lease: tuple[str, int, int], transition: str, **values):
+    """Sets ``values`` on the job of this (owner, job id, lease token) while it is in the
+    transition's from-states; the job's (id, checkpoint_id, validator) if it moved."""
+    owner, job_id, token = lease
+    return conn.execute(
+        update(_jobs)
+        .where(
+            _jobs.c.id == job_id,
+            _jobs.c.lease_token == token,
+            _jobs.c.lease_owner == owner,
+            _in_from_states(transition),
+        )
+        .values(values)
+        .returning(_jobs.c.id, _jobs.c.checkpoint_id, _jobs.c.validator)
+    ).all()
+
+
+def record_usage(
+    conn: Connection, job_id: int, lease_token: int, outcome: JobOutcome, now: dt.datetime
+) -> bool:
+    """What an attempt held, written after its end: the service stopped its task when it
+    lost the lease (a cancel, a takeover), so the attempt row was closed without it.
+    Only an attempt whose running time is still unknown is written."""
+    values = _usage(outcome, now)
+    if values["running_s"] is None:
+        return False
+    changed = conn.execute(
+        _UPDATE_ATTEMPT.where(_attempts.c.running_s.is_(None)),
+        {"b_job_id": job_id, "b_lease_token": lease_token, **values, "finished_at": now},
+    ).rowcount
+    if changed:  # /metrics reads the attempts of jobs changed since its last scrape
+        conn.execute(_UPDATE_JOB, {"b_job_id": job_id, "updated_at": now})
+    return bool(changed)
+
+
+def _usage(outcome: JobOutcome, now: dt.datetime) -> dict[str, Any]:
+    """The attempt row's columns of what it held, from an outcome."""
+    running_s = None
+    if outcome.started_at is not None:
+        ended = outcome.finished_at or now
+        running_s = max(0.0, (ended - outcome.started_at).total_seconds())
+    return {
+        "node_id": outcome.node_id,
+        "started_at": outcome.started_at,
+        "accelerator_type": outcome.accelerator_type,
+        "accelerators": outcome.accelerators,
+        "running_s": running_s,
+    }
+
+
 # ------------------------------------------------------------------- finish
 def running_job(conn: Connection, job_id: int, lease_token: int) -> Row | None:
     """The RUNNING job this lease token still fences (with what finishing it needs)."""
@@ -229,9 +340,8 @@ def finish(
             "b_lease_token": job.lease_token,
             # A retried attempt failed; the job's own status says it runs again.
             "status": (status if status.is_terminal else JobStatus.FAILED).value,
-            "node_id": outcome.node_id,
+            **_usage(outcome, now),
             "worker_pid": outcome.worker_pid,
-            "started_at": outcome.started_at,
             "finished_at": outcome.finished_at or now,
             "error_message": None if outcome.succeeded else capped_text(outcome.error_message),
             "log": capped_text(outcome.log),
@@ -297,7 +407,8 @@ def cancel(
         "updated_at": now,
     }
     cancelled = _move(conn, jobs, "cancel", values)
-    running = [job for job in cancelled if job.status == JobStatus.RUNNING.value]
+    leased = {status.value for status in LEASED_JOB_STATUSES}
+    running = [job for job in cancelled if job.status in leased]
     _close_attempts(conn, running, JobStatus.CANCELLED, message, now)
     _mirror(conn, cancelled, JobStatus.CANCELLED)
     if running:

@@ -70,9 +70,15 @@ def _poll(counts: Callable[[], dict[str, int]], label, what, timeout_s, poll_s, 
             if not active:
                 return found
             if time.monotonic() >= deadline:
+                waiting = found.get(JobStatus.WAITING_FOR_RESOURCES.value, 0)
+                why = (
+                    f"{waiting} of them WAITING_FOR_RESOURCES: their Ray task waits for a "
+                    "node or GPUs (`ckval jobs` says what for, `ray status` what is pending)"
+                    if waiting
+                    else "Is the service running? (`ckval status`)"
+                )
                 raise TimeoutError(
-                    f"{active} {what} still QUEUED or RUNNING after {timeout_s:g}s. "
-                    "Is the service running? (`ckval status`)"
+                    f"{active} {what} still QUEUED or RUNNING after {timeout_s:g}s. {why}"
                 )
             time.sleep(poll_s)
     finally:

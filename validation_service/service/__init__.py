@@ -106,6 +106,7 @@ class _ServiceActor:
             "node_id": ray.get_runtime_context().get_node_id(),
             "alive": self._thread.is_alive(),
             "in_flight": self.scheduler.in_flight,
+            "waiting_for_resources": self.scheduler.waiting_for_resources(),
             "uptime_s": round(time.time() - self.started_at, 1),
             **self.scheduler.stats,
         }
@@ -121,6 +122,8 @@ class _ServiceActor:
             "pools": self.settings.pools,
             "default_pool_size": self.settings.default_pool_size,
             "in_flight": self.scheduler.in_flight,
+            "waiting_for_resources": self.scheduler.waiting_for_resources(),
+            "cluster": self.scheduler.cluster_offer(),
             "uptime_s": round(time.time() - self.started_at, 1),
             "pid": os.getpid(),
             "alive": self._thread.is_alive(),

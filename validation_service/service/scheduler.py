@@ -1,7 +1,9 @@
 """The scheduler loop: claim due jobs -> launch executors -> collect -> record outcomes.
 
 Leases are held with heartbeats, expired leases of lost schedulers are requeued, and
-attempts past their timeout are cancelled. All database work goes through the registry's
+attempts past their timeout (counted from when they run) are cancelled. Attempts whose
+task waits for resources are recorded so, and ended when what they ask can never come or
+they waited too long (resource_waits.py). All database work goes through the registry's
 JobQueue and ReplicaBook (composition.ServiceParts).
 """
 
@@ -19,12 +21,19 @@ from typing import TYPE_CHECKING
 
 from validation_service.config import Settings
 from validation_service.errors import RegistryRejected
-from validation_service.executors import AttemptHandle, Executor, default_executors
+from validation_service.executors import (
+    AttemptHandle,
+    Executor,
+    default_executors,
+    running_since,
+    usage_of,
+)
 from validation_service.jobs import ExecutorKind
 from validation_service.registry.models import utcnow
 from validation_service.registry.records import ClaimedJob, JobOutcome
 from validation_service.registry.wakeups import QueueListener
 from validation_service.retry import RetryPolicy
+from validation_service.service.resource_waits import ResourceWaits, with_usage
 from validation_service.service.warmth import WarmWorkers
 from validation_service.service.watcher import FolderWatcher
 from validation_service.sinks import SinkDispatcher
@@ -75,6 +84,8 @@ class Scheduler:
         self.retry_policy = retry_policy or RetryPolicy.from_settings(settings)
         # job id -> (the executor running it, its attempt)
         self._in_flight: dict[int, tuple[Executor, AttemptHandle]] = {}
+        # The attempts whose task waits for resources, and the limit of that wait.
+        self.waits = ResourceWaits(self.jobs, self.owner, settings.resource_wait_s)
         self._wake = threading.Event()
         self._stop = threading.Event()
         # -inf: the first tick heartbeats and scans, whatever the monotonic clock reads.
@@ -99,6 +110,8 @@ class Scheduler:
             "warmed": 0,
             "ticks": 0,
             "notified": 0,
+            "infeasible": 0,
+            "waited_too_long": 0,
         }
         # Logs SUCCEEDED jobs' metrics to the configured trackers (MLflow, W&B), off the loop.
         self.sinks = SinkDispatcher.from_settings(settings, self.jobs, self.stats)
@@ -174,6 +187,36 @@ class Scheduler:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def waiting_for_resources(self) -> list[dict]:
+        """This replica's attempts recorded WAITING_FOR_RESOURCES: job, run, report,
+        pool, since how long, and what for (`ckval status`)."""
+        found = []
+        for entry in self.waits.status(time.monotonic()):
+            in_flight = self._in_flight.get(entry["job_id"])
+            if in_flight is not None:
+                job = in_flight[1].job
+                entry.update(run=job.run, report_index=job.report_index, pool=job.pool)
+                found.append(entry)
+        return found
+
+    def cluster_offer(self) -> dict | None:
+        """What the Ray cluster offers validations, as the Ray task executor reads it:
+        where its node types come from, whether an autoscaler can add nodes, and its
+        nodes' and node types' resources (`ckval status`); None where it cannot tell."""
+        capacity = getattr(self.executors.get(ExecutorKind.RAY_TASK.value), "capacity", None)
+        if capacity is None:
+            return None
+        try:
+            offer = capacity.offer()
+        except Exception:  # noqa: BLE001 - status only
+            logger.debug("reading the cluster's offer failed", exc_info=True)
+            return None
+        return {
+            "node_types_from": offer.node_types_from,
+            "autoscaler": offer.autoscaler,
+            "offers": offer.describe(),
+        }
+
     def recover(self) -> list[int]:
         """On start: requeue what an earlier incarnation of this service left RUNNING.
 
@@ -242,6 +285,7 @@ class Scheduler:
         self._collect_warm_ups()
         self._collect()
         self._enforce_timeouts()
+        self._watch_resource_waits()
         self._claim_and_launch()
         if self.settings.keep_warm and now - self._last_keep_warm >= KEEP_WARM_S:
             self._last_keep_warm = now
@@ -288,6 +332,12 @@ class Scheduler:
                     retryable=False,
                 ),
             )
+            return
+        refused = self.waits.refused(executor, job)
+        if refused is not None:  # no node (type) can ever run it: it holds no slot
+            self.stats["infeasible"] += 1
+            logger.warning("job %s: %s", job.job_id, refused.error_message)
+            self._finish(job, refused)
             return
         try:
             handle = executor.launch(job)
@@ -339,25 +389,37 @@ class Scheduler:
         return self.jobs.finish_job(job.job_id, job.lease_token, outcome, policy=self.retry_policy)
 
     def _enforce_timeouts(self) -> None:
+        """Cancels the attempts that ran longer than their timeout_s, counted from when
+        they began to run (an attempt waiting for resources has not)."""
         now = time.monotonic()
         for job_id, (executor, handle) in list(self._in_flight.items()):
             timeout_s = handle.job.timeout_s
-            if timeout_s is None or now - handle.launched_at < timeout_s:
+            began = running_since(executor, handle)
+            if timeout_s is None or began is None or now - began < timeout_s:
                 continue
             del self._in_flight[job_id]
             executor.cancel(handle)
             self.stats["timed_out"] += 1
-            self._finish(
-                handle.job,
-                JobOutcome(
-                    succeeded=False,
-                    error_type="TimeoutError",
-                    error_message=f"validation ran longer than timeout_s={timeout_s:g}; "
-                    "its Ray task was cancelled",
-                    retryable=False,
-                    timed_out=True,
-                ),
+            outcome = JobOutcome(
+                succeeded=False,
+                error_type="TimeoutError",
+                error_message=f"validation ran longer than timeout_s={timeout_s:g}; "
+                "its Ray task was cancelled",
+                retryable=False,
+                timed_out=True,
             )
+            self._finish(handle.job, with_usage(executor, handle, outcome))
+
+    def _watch_resource_waits(self) -> None:
+        """Records attempts that wait for resources and those that began to run; ends
+        those that can never run or waited longer than resource_wait_s."""
+        for job_id, outcome in self.waits.update(self._in_flight, time.monotonic()):
+            executor, handle = self._in_flight.pop(job_id)
+            executor.cancel(handle)
+            key = "infeasible" if outcome.error_type == "InfeasibleResources" else "waited_too_long"
+            self.stats[key] += 1
+            logger.warning("job %s: %s", job_id, outcome.error_message)
+            self._finish(handle.job, outcome)
 
     def _beat_replica(self, stopped: bool = False) -> None:
         """Writes this replica's row (who, where, how fresh) for status and /metrics."""
@@ -397,6 +459,23 @@ class Scheduler:
             executor, handle = self._in_flight.pop(job_id)
             logger.info("job %s is no longer ours; cancelling its attempt", job_id)
             executor.cancel(handle)
+            self._record_usage(executor, handle)
+
+    def _record_usage(self, executor: Executor, handle: AttemptHandle) -> None:
+        """What an attempt stopped after losing its lease held, up to now."""
+        usage = usage_of(executor, handle)
+        if usage is None:
+            return
+        held = JobOutcome(
+            succeeded=False,
+            node_id=usage.node_id,
+            started_at=usage.started_at,
+            **usage.outcome_fields(),
+        )
+        try:
+            self.jobs.record_usage(handle.job.job_id, handle.job.lease_token, held)
+        except Exception:  # noqa: BLE001 - the cost of one attempt, not the job's fate
+            logger.warning("recording job %s's usage failed", handle.job.job_id, exc_info=True)
 
     def _cancel_all(self) -> None:
         for executor, handle in self._in_flight.values():

@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import quote
 
 from validation_service.api.views import (
+    cost_json,
     iso,
     job_json,
     labelled_checkpoint_json,
@@ -21,9 +22,9 @@ from validation_service.api.views import (
     stop_policy_json,
 )
 from validation_service.errors import InvalidInput
-from validation_service.jobs import DEFAULT_VALIDATOR, JobStatus
+from validation_service.jobs import ACTIVE_JOB_STATUSES, DEFAULT_VALIDATOR, JobStatus
 from validation_service.registry.dashboard_reads import DashboardReader
-from validation_service.registry.records import CheckpointRecord
+from validation_service.registry.records import CheckpointRecord, ValidationCost
 from validation_service.registry.stats import Mode, RunPage, default_mode
 
 # More runs than this in one plot is unreadable; the page says so instead of drawing it.
@@ -33,7 +34,7 @@ MAX_COMPARED_RUNS = 20
 # data, refetched every 2 s while validations run, grows with checkpoints x metrics shown.
 METRICS_PER_PAGE = 50
 MAX_METRICS_PER_PAGE = 500
-_ACTIVE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+_ACTIVE = frozenset(status.value for status in ACTIVE_JOB_STATUSES)
 
 
 def run_url(base: str, run: str) -> str:
@@ -53,6 +54,7 @@ def runs_json(page: RunPage, base: str) -> dict[str, Any]:
                 "validated": counts.get(JobStatus.SUCCEEDED.value, 0),
                 "queued": counts.get(JobStatus.QUEUED.value, 0),
                 "running": counts.get(JobStatus.RUNNING.value, 0),
+                "waiting": counts.get(JobStatus.WAITING_FOR_RESOURCES.value, 0),
                 "failed": counts.get(JobStatus.FAILED.value, 0)
                 + counts.get(JobStatus.TIMED_OUT.value, 0),
                 "best": _finite(item.best),
@@ -111,8 +113,9 @@ def run_json(
 ) -> dict[str, Any]:
     """One run: its record, a series per metric shown, its checkpoints and its jobs (with
     the values of the metrics shown), and its stop policy with the latest decision of
-    its latest attempt (the plots mark it). ``metrics_total`` counts the run's metrics,
-    ``metrics_omitted`` names those not shown."""
+    its latest attempt (the plots mark it), and what its validations held
+    (``cost``: accelerator-seconds by validator, pool and accelerator type).
+    ``metrics_total`` counts the run's metrics, ``metrics_omitted`` names those not shown."""
     choice = (choice or MetricChoice()).check()
     view = reader.run_view(run)  # one read: the record, checkpoints and jobs agree
     checkpoints, jobs = view.checkpoints, view.jobs
@@ -135,6 +138,7 @@ def run_json(
         "jobs": [_with_result_metrics(job_json(job), kept) for job in jobs],
         "stop_policy": stop_policy_json(view.stop_policy),
         "stop_decision": stop_decision_json(view.stop_decision),
+        "cost": cost_json(ValidationCost.of_jobs(jobs)),
     }
 
 

@@ -4,13 +4,16 @@ A custom collector reads one snapshot per scrape (registry/stats.py: a few group
 statements, never a query per job), so the gauges say what the registry says whichever
 API replica is scraped.
 
-The two histograms count every job of the registry. The first scrape buckets the jobs
+The two histograms, and the counter of accelerator-seconds, count every job (attempt) of
+the registry. The first scrape buckets the jobs
 that ended (or were first claimed) up to OVERLAP_S ago in SQL, a row per (pool, bucket)
 back; every later scrape reads only the jobs changed since then (an updated_at index
 range) and adds those it has not counted, keyed by (job, timestamp). Re-reading the last
 OVERLAP_S seconds catches a transition that committed after a scrape although its
 timestamp was taken before. A scrape thus costs the same at 100 jobs as at 1M, and the
-buckets only grow, as rate() and histogram_quantile() expect.
+buckets only grow, as rate() and histogram_quantile() expect. Accelerator-seconds are
+counted the same way, per ended attempt (labels pool, validator, accelerator type; per run
+they are in `ckval runs` and on the run page: a label per run would grow without bound).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from prometheus_client.registry import Collector
 from validation_service.config import Settings
 from validation_service.errors import RegistryUnavailable
 from validation_service.jobs import TERMINAL_JOB_STATUSES, JobStatus, RunStatus
+from validation_service.registry.costs import AttemptCost
 from validation_service.registry.dashboard_reads import DashboardReader
 from validation_service.registry.models import utcnow
 from validation_service.registry.replicas import ReplicaRecord
@@ -103,6 +107,43 @@ class JobHistogram:
         return self.counts[pool]
 
 
+class AcceleratorSeconds:
+    """Accelerator-seconds of ended attempts per (pool, validator, accelerator type), fed
+    once from SQL totals, then attempt by attempt; remembers the attempts it counted
+    inside the overlap window."""
+
+    def __init__(self):
+        self.totals: dict[tuple[str, str, str], float] = {}
+        self._counted: dict[int, dt.datetime] = {}
+
+    def add_totals(self, totals: Sequence[tuple[str, str, str | None, float]]) -> None:
+        for pool, validator, kind, seconds in totals:
+            key = (pool, validator, kind or "none")
+            self.totals[key] = self.totals.get(key, 0.0) + seconds
+
+    def add(self, attempt: AttemptCost, cutoff: dt.datetime) -> None:
+        if attempt.finished_at <= cutoff or attempt.id in self._counted:
+            return
+        self._counted[attempt.id] = attempt.finished_at
+        self.add_totals(
+            [(attempt.pool, attempt.validator, attempt.accelerator_type, attempt.accelerator_s)]
+        )
+
+    def forget_before(self, cutoff: dt.datetime) -> None:
+        self._counted = {key: at for key, at in self._counted.items() if at > cutoff}
+
+    def family(self) -> Metric:
+        family = CounterMetricFamily(
+            "ckval_validation_accelerator_seconds",
+            "Accelerator-seconds validations held (accelerators x running time of each ended "
+            "attempt), by pool, validator and accelerator type.",
+            labels=["pool", "validator", "accelerator_type"],
+        )
+        for labels, seconds in sorted(self.totals.items()):
+            family.add_metric(list(labels), seconds)
+        return family
+
+
 class RegistryCollector(Collector):
     """The queue, the registrations and the service's health, read at every scrape."""
 
@@ -114,6 +155,7 @@ class RegistryCollector(Collector):
         self.overlap = dt.timedelta(seconds=overlap_s)
         self.durations = JobHistogram(DURATION_BUCKETS_S)
         self.latencies = JobHistogram(LATENCY_BUCKETS_S)
+        self.accelerator_seconds = AcceleratorSeconds()
         self._cutoff: dt.datetime | None = None  # the histograms hold every event up to it
         self._lock = threading.Lock()  # scrapes run in FastAPI's thread pool
 
@@ -130,6 +172,7 @@ class RegistryCollector(Collector):
                     "ckval_dispatch_latency_seconds",
                     "Time from enqueue to the first claim of started jobs.",
                 )
+                accelerator_seconds = self.accelerator_seconds.family()
         except RegistryUnavailable as exc:
             logger.warning("/metrics: the registry is unreachable: %s", exc)
             snapshot = None
@@ -143,6 +186,8 @@ class RegistryCollector(Collector):
         yield from _queue_metrics(snapshot)
         yield durations
         yield latencies
+        yield accelerator_seconds
+        yield from _wait_metrics(snapshot)
         yield from self._service_health(snapshot.health)
         yield from _replica_metrics(replicas, self.settings.lease_s)
 
@@ -156,6 +201,7 @@ class RegistryCollector(Collector):
             )
             self.durations.add_totals(totals[0])
             self.latencies.add_totals(totals[1])
+            self.accelerator_seconds.add_totals(self.reader.accelerator_totals(until=cutoff))
             self._cutoff = cutoff
         snapshot = self.reader.metrics_snapshot(
             grace_s=self.settings.lease_s, changed_since=self._cutoff
@@ -168,14 +214,19 @@ class RegistryCollector(Collector):
             if job.finished_at is not None and job.status in _TERMINAL:
                 duration = (job.finished_at - job.started_at).total_seconds()
                 self.durations.add(job, job.finished_at, duration, self._cutoff)
+        for attempt in snapshot.attempt_costs:
+            self.accelerator_seconds.add(attempt, self._cutoff)
         self._cutoff = max(self._cutoff, now - self.overlap)
         self.durations.forget_before(self._cutoff)
         self.latencies.forget_before(self._cutoff)
+        self.accelerator_seconds.forget_before(self._cutoff)
         return snapshot
 
     def _service_health(self, health: QueueHealth) -> Iterator[Metric]:
         leases = GaugeMetricFamily(
-            "ckval_leases", "RUNNING jobs by whether their lease is live.", labels=["state"]
+            "ckval_leases",
+            "Leased jobs (RUNNING or WAITING_FOR_RESOURCES) by whether their lease is live.",
+            labels=["state"],
         )
         leases.add_metric(["live"], health.live_leases)
         leases.add_metric(["expired"], health.expired_leases)
@@ -235,13 +286,30 @@ def _replica_metrics(replicas: list[ReplicaRecord], lease_s: float) -> Iterator[
         labels=["replica"],
     )
     leases = GaugeMetricFamily(
-        "ckval_replica_leases", "RUNNING jobs the service replica holds.", labels=["replica"]
+        "ckval_replica_leases",
+        "Jobs the service replica holds (RUNNING or WAITING_FOR_RESOURCES).",
+        labels=["replica"],
     )
     for replica in replicas:
         up.add_metric([replica.name], int(replica.fresh(lease_s, now)))
         age.add_metric([replica.name], replica.heartbeat_age_s(now))
         leases.add_metric([replica.name], replica.leases)
     yield from (up, age, leases)
+
+
+def _wait_metrics(snapshot: MetricsSnapshot) -> Iterator[Metric]:
+    """How long each pool's longest-waiting job has waited for resources (a node the
+    autoscaler adds, GPUs other work holds); ckval_jobs{status="WAITING_FOR_RESOURCES"}
+    counts them."""
+    longest = GaugeMetricFamily(
+        "ckval_resource_wait_seconds",
+        "Per pool, how long its longest-waiting WAITING_FOR_RESOURCES job has waited "
+        "(absent: none waits).",
+        labels=["pool"],
+    )
+    for pool, seconds in sorted(snapshot.waits.items()):
+        longest.add_metric([pool], seconds)
+    yield longest
 
 
 def _queue_metrics(snapshot: MetricsSnapshot) -> Iterator[Metric]:

@@ -159,7 +159,8 @@
         el("td", { class: "num" }, run.checkpoints),
         el("td", { class: "num" }, run.validated),
         el("td", { class: "num" }, run.queued),
-        el("td", { class: "num" }, run.running),
+        el("td", { class: "num" },
+          run.waiting ? `${run.running} (+${run.waiting} waiting)` : run.running),
         el("td", { class: "num" }, run.failed),
         el("td", { class: "num best" }, fmt(run.best)),
         el("td", { title: run.last_activity }, ago(run.last_activity)),
@@ -373,7 +374,7 @@
             width: Math.max(1, x(waitEnd) - x(job.created_at)) }));
           if (started) {
             const color = { SUCCEEDED: "#16a34a", FAILED: "#dc2626", TIMED_OUT: "#dc2626",
-              CANCELLED: "#9ca3af" }[job.status] || "#2563eb";
+              CANCELLED: "#9ca3af", WAITING_FOR_RESOURCES: "#f59e0b" }[job.status] || "#2563eb";
             group.append(svg("rect", { x: x(started), y, height: row - 3, fill: color,
               width: Math.max(2, x(end(job)) - x(started)) }));
           }
@@ -392,7 +393,9 @@
       const summary = document.getElementById("run-summary");
       summary.replaceChildren(status(data.run.status),
         ` ${data.checkpoints.length} checkpoints · ${data.active_jobs} validations queued or ` +
-        `running · namespace ${data.run.namespace}`);
+        `running · ${fmt(data.cost.accelerator_hours)} accelerator-hours · ` +
+        `namespace ${data.run.namespace}`);
+      drawCost(data.cost);
       replaceRows(document.getElementById("checkpoints"), data.checkpoints.map((c) =>
         el("tr", { "data-report": c.report_index },
           el("td", { class: "num" }, c.report_index),
@@ -421,6 +424,7 @@
           el("pre", {}, job.error_traceback || "(no traceback)"));
           error = details;
         }
+        const wait = job.waiting_for ? el("div", { class: "waiting" }, waitingText(job)) : null;
         return el("tr", { "data-job": job.id },
           el("td", { class: "num" }, job.id),
           el("td", { class: "num" }, job.report_index),
@@ -430,9 +434,31 @@
           el("td", { title: job.created_at }, ago(job.created_at)),
           el("td", {}, job.started_at && job.finished_at
             ? took(seconds(job.started_at, job.finished_at)) : "–"),
-          el("td", {}, error, (job.warnings || []).map((warning) =>
+          el("td", {}, error, wait, (job.warnings || []).map((warning) =>
             el("div", { class: "warning" }, `warning: ${warning}`))));
       }));
+    }
+
+    // A job WAITING_FOR_RESOURCES: since when, for what, and why (as `ckval jobs` says).
+    function waitingText(job) {
+      const asked = Object.entries(job.waiting_for.resources || {}).map(([name, value]) =>
+        name.startsWith("accelerator_type:") ? name : `${name}: ${fmt(value)}`).join(", ");
+      const since = job.waiting_since ? ` (since ${ago(job.waiting_since)})` : "";
+      const note = job.waiting_for.note ? `: ${job.waiting_for.note}` : "";
+      return `waiting for {${asked}}${since}${note}`;
+    }
+
+    function drawCost(cost) {
+      const rows = [["validator", cost.by_validator], ["pool", cost.by_pool],
+        ["accelerator type", cost.by_accelerator_type]].flatMap(([by, values]) =>
+        Object.entries(values).map(([name, value]) => el("tr", { "data-by": by },
+          el("td", {}, by), el("td", {}, name), el("td", { class: "num" }, fmt(value)),
+          el("td", { class: "num" }, fmt(value / 3600)))));
+      if (!rows.length) {
+        rows.push(el("tr", {}, el("td", { colspan: 4, class: "empty" },
+          "No validation has run yet.")));
+      }
+      replaceRows(document.getElementById("cost"), rows);
     }
 
     // The run's data holds a page of its metrics (the first ones reported, or those
