@@ -14,6 +14,7 @@ entering that call).
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 import shutil
 import tempfile
 import threading
@@ -22,6 +23,7 @@ from concurrent.futures import Future
 
 from trainer_integration._delivery import with_backoff
 from trainer_integration._imports import import_once
+from trainer_integration._rank_files import file_rank
 from trainer_integration._reporter import _is_local, _uri_of
 from trainer_integration._request import CheckpointUploadMode, PreparedReport
 from validation_service.errors import CkvalError, InvalidInput
@@ -146,7 +148,7 @@ class ShardReporter:
         if not _is_local(checkpoint):
             return None  # a remote folder: downloaded by the storing thread
         try:
-            return scan_folder(checkpoint.path)
+            source = scan_folder(checkpoint.path)
         except CkvalError as exc:  # its own type, saying which rank's folder it is
             exc.args = (
                 f"report() on rank {self.rank}: {exc} Pass Checkpoint.from_directory(d) of a "
@@ -159,6 +161,8 @@ class ShardReporter:
                 f"cannot be read ({exc}). Pass Checkpoint.from_directory(d) of a folder "
                 "this rank wrote and can read; nothing of this report was stored."
             ) from None
+        import_once("validation_service.parts").check_part_names(source, self.rank)
+        return source
 
     def _join(self, key: ReportKey):
         reporter = self.reporter
@@ -186,7 +190,9 @@ class ShardReporter:
         reporter = self.reporter
         storage = reporter.storage
         if location is not None:
-            part = PartRecord(self.rank, location, None, 0, metrics)
+            files = self._hash_own_files(location)
+            size = sum(entry["size"] for entry in files.values())
+            part = PartRecord(self.rank, location, files, size, metrics)
         else:
             try:
                 path, files = self._store_files(storage, slot, checkpoint, source, staged)
@@ -201,6 +207,22 @@ class ShardReporter:
             timeout_s=reporter.settings.delivery_timeout_s,
         )
         return slot
+
+    def _hash_own_files(self, location: str) -> dict:
+        """NO_UPLOAD: this rank hashes its own shards of the folder every rank wrote
+        into (named for it, as torch.distributed.checkpoint and DeepSpeed name them);
+        the sealer hashes the rest (metadata, configs: perhaps written by every rank)
+        once every rank has reported."""
+        hash_own_files = import_once("validation_service.parts").hash_own_files
+
+        reporter = self.reporter
+
+        def owns(rel: str) -> bool:
+            return file_rank(posixpath.basename(rel)) == self.rank
+
+        return hash_own_files(
+            reporter.storage, location, reporter.settings.namespace, reporter.run, owns
+        )
 
     def _store_files(self, storage, slot, checkpoint, source, staged):
         store_part = import_once("validation_service.parts").store_part

@@ -41,8 +41,9 @@ class Slot(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class PartRecord:
-    """One rank's stored part: its files (relative path -> size and sha256), or None
-    for a folder registered in place (NO_UPLOAD), at ``location``."""
+    """One rank's stored part: its files (relative path -> size and digest) at
+    ``location``; for a folder registered in place (NO_UPLOAD), the files of it that
+    this rank hashed (its own shards), or None."""
 
     rank: int
     location: str
