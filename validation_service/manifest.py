@@ -16,13 +16,19 @@ import os
 from pathlib import Path
 from typing import Any
 
-import blake3
-
 from validation_service.errors import CheckpointNotFound, InvalidInput
 
 MANIFEST_NAME = ".ckval-manifest.json"
+
+
+def _blake3():
+    import blake3  # on first use: importing trainer_integration stays cheap
+
+    return blake3.blake3()
+
+
 # The digests a manifest may name; each file's entry holds its digest under that name.
-DIGESTS = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
+DIGESTS = {"blake3": _blake3, "sha256": hashlib.sha256}
 DIGEST_ALGORITHM = "blake3"  # what ckval writes; "sha256" is what earlier releases wrote
 _LEGACY_ALGORITHM = "sha256"  # a manifest that names no algorithm
 # One private buffer per copy: each byte is read once into it, hashed there and written
