@@ -14,8 +14,8 @@ each hold a shard of S MB (rank 0 also a small ``.metadata``) and report it once
 - **ckval**: the same run with ckval's ``report(..., checkpoint_upload_mode=ASYNC)``,
   CKVAL_STORAGE on the S3 server (Ray Train's own storage local: it keeps ckval's
   pointer there), timed until the registry lists the checkpoint;
-- **fsspec**: s3fs ``put(folder, checkpoint folder, recursive=True)`` of the R folders
-  from R threads of one process.
+- **fsspec**: s3fs ``put(folder, checkpoint folder, recursive=True)`` of the R folders,
+  one after another from one process.
 
 Per way: bytes sent / checkpoint bytes, bytes copied on the server / checkpoint bytes
 (each copied object's size), the two together (bytes written per checkpoint byte),
@@ -31,7 +31,6 @@ import shutil
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -115,10 +114,10 @@ def with_fsspec(traffic: S3Traffic, workdir: Path, ranks: int) -> None:
         skip_instance_cache=True,
     )
     dest = f"{BUCKET}/fsspec/{uuid.uuid4().hex[:6]}/checkpoint_000000/"
-    with ThreadPoolExecutor(ranks) as pool:
-        folders = [f"{workdir / 'fsspec' / f'rank{rank}'}/" for rank in range(ranks)]
-        for future in [pool.submit(fs.put, folder, dest, recursive=True) for folder in folders]:
-            future.result()
+    # One folder after another: moto's server (werkzeug) lost requests of concurrent
+    # puts from one process here, and s3fs then waited without end.
+    for rank in range(ranks):
+        fs.put(f"{workdir / 'fsspec' / f'rank{rank}'}/", dest, recursive=True)
 
 
 def copied_bytes(traffic: S3Traffic) -> int:
