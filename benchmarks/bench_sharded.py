@@ -7,15 +7,15 @@
 Two parts, in one process with a fresh temporary CKVAL_HOME:
 
 - **persist**: the same R rank folders (one shard file of S MB each, rank 0 also a small
-  ``.metadata``) persisted three ways, the order rotated each repeat: ``cp -r`` of the R
+  ``.metadata``) persisted four ways, the order rotated each repeat: ``cp -r`` of the R
   folders in R parallel subprocesses; fsspec ``LocalFileSystem().put(recursive=True)`` in
-  R threads; ckval's own path, R processes (started beforehand) each staging its folder
-  (``CheckpointStorage.stage``: copied and sha256-hashed) and renaming it into the
-  checkpoint's folder as its part (``validation_service.parts.store_part``, as report()'s
-  SYNC path does), then one ``validation_service.parts.assemble`` that seals the
-  checkpoint. Timed until the last copy returned (ckval: the checkpoint sealed), and again
-  after an ``os.sync()`` (the bytes on disk). Destinations are removed and the machine
-  synced between ways, untimed. The registry is not part of this path.
+  R threads; ckval's sharded report path in SYNC and in ASYNC mode, R processes (started
+  beforehand) each reporting its folder as its part (``ShardReporter.report``: copied and
+  hashed in one pass, BLAKE3) and the lowest rank sealing the checkpoint
+  (``ShardReporter.seal``), on a SQLite registry (see _sharded_persist.py). Timed until
+  the last copy returned (ckval: the checkpoint sealed and registered), and again after
+  an ``os.sync()`` (the bytes on disk). Destinations are removed and the machine synced
+  between ways, untimed.
 - **train**: a TorchTrainer with R CPU workers; each rank holds an S MB shard in memory,
   writes it to a new temporary folder of its own before each report and reports that
   folder on every rank: ckval ``report(..., checkpoint_upload_mode=ASYNC|SYNC,
@@ -36,229 +36,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import fresh_ckval_home, load_average, pickle_by_value, run_description  # noqa: E402
+from _sharded_persist import MB, persist_part, persist_table  # noqa: E402
 
-MB = 1024 * 1024
-PERSIST_WAYS = ("cp", "fsspec", "ckval")
-# --diagnose: where ckval's time goes, in the same R processes. "sha256" reads and hashes
-# each file as stage() does, writing nothing; "py-copy" copies with stage()'s chunked
-# read/write loop, hashing nothing.
-DIAGNOSTIC_WAYS = ("sha256", "py-copy")
 TRAIN_WAYS = ("ray-async", "ckval-async", "ckval-sync")
-CHUNK = 64 * MB
-
-
-# --------------------------------------------------------------------------- persist part
-def write_shard(path: Path, shard_bytes: int, seed: int) -> None:
-    """A file of ``shard_bytes`` incompressible bytes (written by chunks, never held whole)."""
-    import numpy as np
-
-    generator = np.random.default_rng(seed)
-    with open(path, "wb") as f:
-        for start in range(0, shard_bytes, CHUNK):
-            size = min(CHUNK, shard_bytes - start)
-            f.write(generator.integers(0, 256, size, dtype=np.uint8).data)
-
-
-def make_rank_folders(root: Path, ranks: int, shard_bytes: int) -> list[Path]:
-    """One folder per rank, laid out as torch.distributed.checkpoint writes them."""
-    folders = []
-    for rank in range(ranks):
-        folder = root / f"rank{rank}"
-        folder.mkdir(parents=True)
-        write_shard(folder / f"__{rank}_0.distcp", shard_bytes, seed=rank)
-        if rank == 0:
-            (folder / ".metadata").write_bytes(os.urandom(64 * 1024))
-        folders.append(folder)
-    return folders
-
-
-def copy_with_cp(folders: list[Path], dest: Path) -> None:
-    dest.mkdir(parents=True)
-    copies = [subprocess.Popen(["cp", "-r", str(f), str(dest / f.name)]) for f in folders]
-    for copy in copies:
-        if copy.wait() != 0:
-            raise RuntimeError(f"cp -r failed: {copy.args}")
-
-
-def copy_with_fsspec(folders: list[Path], dest: Path) -> None:
-    from fsspec.implementations.local import LocalFileSystem
-
-    fs = LocalFileSystem()
-    dest.mkdir(parents=True)
-    with ThreadPoolExecutor(len(folders)) as pool:
-        futures = [pool.submit(fs.put, str(f), str(dest / f.name), recursive=True) for f in folders]
-        for future in futures:
-            future.result()
-
-
-def ckval_rank_process(rank: int, root: str, connection) -> None:
-    """One rank's storing process: waits for a (folder, checkpoint path), stores its part.
-
-    Started before anything is timed, so that imports are not counted.
-    """
-    from validation_service.manifest import _CHUNK, _copy_hashing, scan_folder
-    from validation_service.parts import store_part
-    from validation_service.storage import CheckpointStorage
-
-    storage = CheckpointStorage(root)
-    while (task := connection.recv()) is not None:
-        kind, folder, checkpoint_path, namespace, run = task
-        source = scan_folder(folder)  # as ShardReporter.report does, then stage + rename
-        if kind == "store":
-            staged = storage.stage(source, namespace, run)
-            connection.send(store_part(storage, checkpoint_path, rank, source, staged))
-            continue
-        for rel, src in source.files:
-            target = Path(checkpoint_path) / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(src, "rb") as fin:
-                if kind == "sha256":
-                    _copy_hashing(fin, None)
-                    continue
-                with open(target, "wb") as fout:
-                    while chunk := fin.read(_CHUNK):
-                        fout.write(chunk)
-        connection.send(None)
-
-
-class CkvalRanks:
-    """R processes that store one part each of a checkpoint, as report()'s SYNC path."""
-
-    def __init__(self, ranks: int, root: Path):
-        from validation_service.storage import CheckpointStorage
-
-        self.storage = CheckpointStorage(str(root))
-        context = multiprocessing.get_context("spawn")
-        self.connections, self.processes = [], []
-        for rank in range(ranks):
-            ours, theirs = context.Pipe()
-            process = context.Process(
-                target=ckval_rank_process, args=(rank, str(root), theirs), daemon=True
-            )
-            process.start()
-            self.connections.append(ours)
-            self.processes.append(process)
-        self.index = 0
-
-    def persist(self, folders: list[Path]) -> str:
-        """The checkpoint sealed from every rank's folder; returns its path."""
-        from validation_service.parts import assemble
-        from validation_service.registry.assemblies import PartRecord
-
-        namespace, run = "bench", "persist"
-        target = self.storage.checkpoint_path(namespace, run, self.index)
-        self.index += 1
-        for connection, folder in zip(self.connections, folders, strict=True):
-            connection.send(("store", str(folder), target, namespace, run))
-        parts = []
-        for rank, connection in enumerate(self.connections):
-            path, files = connection.recv()
-            size = sum(entry["size"] for entry in files.values())
-            parts.append(PartRecord(rank, path, files, size, {}))
-        assemble(self.storage, target, parts, "warn")
-        return target
-
-    def diagnose(self, kind: str, folders: list[Path], dest: Path) -> None:
-        """One of DIAGNOSTIC_WAYS, each process on its rank's folder."""
-        for connection, folder in zip(self.connections, folders, strict=True):
-            connection.send((kind, str(folder), str(dest / folder.name), "", ""))
-        for connection in self.connections:
-            connection.recv()
-
-    def warm_up(self, scratch: Path) -> None:
-        """One tiny checkpoint through every process (imports, first file system calls)."""
-        shutil.rmtree(self.persist(make_rank_folders(scratch, len(self.processes), MB)))
-        shutil.rmtree(scratch)
-
-    def close(self) -> None:
-        for connection in self.connections:
-            connection.send(None)
-        for process in self.processes:
-            process.join(timeout=30)
-
-
-def persist_part(
-    workdir: Path, ranks: int, shard_mb: float, repeats: int, diagnose: bool
-) -> dict[str, Any]:
-    shard_bytes = int(shard_mb * MB)
-    folders = make_rank_folders(workdir / "ranks", ranks, shard_bytes)
-    total_mb = sum(f.stat().st_size for d in folders for f in d.iterdir()) / MB
-    ckval = CkvalRanks(ranks, workdir / "storage")
-    ckval.warm_up(workdir / "warm-up")
-    all_ways = PERSIST_WAYS + (DIAGNOSTIC_WAYS if diagnose else ())
-    timings: dict[str, list[tuple[float, float]]] = {way: [] for way in all_ways}
-    try:
-        for repeat in range(repeats):
-            turn = repeat % len(all_ways)
-            for way in all_ways[turn:] + all_ways[:turn]:
-                os.sync()  # the last way's writes are not this way's to wait for
-                dest = workdir / "raw" / f"{way}-{repeat}"
-                started = time.perf_counter()
-                if way == "cp":
-                    copy_with_cp(folders, dest)
-                elif way == "fsspec":
-                    copy_with_fsspec(folders, dest)
-                elif way == "ckval":
-                    dest = Path(ckval.persist(folders))
-                else:
-                    dest.mkdir(parents=True)
-                    ckval.diagnose(way, folders, dest)
-                copied = time.perf_counter() - started
-                os.sync()
-                synced = time.perf_counter() - started
-                stored_mb = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()) / MB
-                if stored_mb < total_mb and way != "sha256":
-                    raise RuntimeError(f"{way} stored {stored_mb:.1f} of {total_mb:.1f} MB")
-                timings[way].append((copied, synced))
-                print(
-                    f"  persist {repeat + 1}/{repeats} {way}: {total_mb / copied:.0f} MB/s "
-                    f"({copied:.2f} s; {synced:.2f} s with sync), load {load_average()}",
-                    flush=True,
-                )
-                shutil.rmtree(dest)
-    finally:
-        ckval.close()
-        shutil.rmtree(workdir / "ranks", ignore_errors=True)
-    return {"total_mb": total_mb, "timings": timings}
-
-
-def persist_table(result: dict[str, Any]) -> str:
-    total_mb, timings = result["total_mb"], result["timings"]
-    medians = {
-        way: (statistics.median(c for c, _ in runs), statistics.median(s for _, s in runs))
-        for way, runs in timings.items()
-    }
-    rows = [
-        "| way | each run (s) | until returned, median (s) | MB/s | with os.sync(), median (s) | "
-        "MB/s with sync | ckval / this, MB/s (target >= 0.8) | with sync |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    ckval_copied, ckval_synced = medians["ckval"]
-    for way in timings:
-        copied, synced = medians[way]
-        every = ", ".join(f"{c:.2f}" for c, _ in timings[way])
-        rows.append(
-            f"| {way} | {every} | {copied:.2f} | {total_mb / copied:.0f} | {synced:.2f} | "
-            f"{total_mb / synced:.0f} | {copied / ckval_copied:.2f} | "
-            f"{synced / ckval_synced:.2f} |"
-        )
-    return "\n".join(rows)
 
 
 # ----------------------------------------------------------------------------- train part
@@ -535,7 +328,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reports", type=int, default=3, help="reports per training run")
     parser.add_argument("--parts", nargs="+", choices=["persist", "train"], default=None)
     parser.add_argument(
-        "--diagnose", action="store_true", help="persist: also sha256 alone and copy alone"
+        "--diagnose",
+        action="store_true",
+        help="persist: also the one-pass copy (BLAKE3, SHA-256), hashing alone, copying alone",
     )
     parser.add_argument("--no-warmup", dest="warmup", action="store_false")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat")

@@ -8,9 +8,10 @@ import time
 
 
 class TcpProxy:
-    def __init__(self, target_host: str, target_port: int, delay_s: float = 0.0):
+    def __init__(self, target_host: str, target_port: int, delay_s: float = 0.0, tap=None):
         self.target = (target_host, target_port)
         self.delay_s = delay_s  # per forwarded chunk: a slow network
+        self.tap = tap  # called with every chunk the clients send, in order per connection
         self.port = _free_port()
         self._listener: socket.socket | None = None
         self._connections: list[socket.socket] = []
@@ -55,15 +56,18 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._connections += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pump, args=(a, b, self.delay_s), daemon=True).start()
+            for a, b, tap in ((client, upstream, self.tap), (upstream, client, None)):
+                args = (a, b, self.delay_s, tap)
+                threading.Thread(target=_pump, args=args, daemon=True).start()
 
 
-def _pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
+def _pump(source: socket.socket, sink: socket.socket, delay_s: float, tap=None) -> None:
     try:
         while data := source.recv(65536):
             if delay_s:
                 time.sleep(delay_s)
+            if tap is not None:
+                tap(source, data)
             sink.sendall(data)
     except OSError:
         pass

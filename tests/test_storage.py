@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 
+import blake3
 import pytest
 
 from validation_service.errors import CheckpointCorrupt, CheckpointNotFound, InvalidInput
@@ -26,16 +27,17 @@ def storage(tmp_path):
     return CheckpointStorage(str(tmp_path / "store"))
 
 
-def test_upload_writes_files_and_a_manifest_with_sizes_and_sha256(storage, source):
+def test_upload_writes_files_and_a_manifest_with_sizes_and_blake3(storage, source):
     persisted = storage.upload(source, "ns", "run", 3)
     assert persisted.uri.endswith("ns/run/checkpoint_000003")
     assert persisted.size_bytes == 300_000 + len(b"optimizer-state")
     manifest_bytes = open(os.path.join(persisted.uri, MANIFEST_NAME), "rb").read()
     assert hashlib.sha256(manifest_bytes).hexdigest() == persisted.manifest_sha256
-    files = json.loads(manifest_bytes)["files"]
-    assert files["sub/opt.bin"] == {
+    body = json.loads(manifest_bytes)
+    assert body["algorithm"] == "blake3"
+    assert body["files"]["sub/opt.bin"] == {
         "size": 15,
-        "sha256": hashlib.sha256(b"optimizer-state").hexdigest(),
+        "blake3": blake3.blake3(b"optimizer-state").hexdigest(),
     }
     assert (
         open(os.path.join(persisted.uri, "model.pt"), "rb").read()
@@ -62,7 +64,7 @@ def test_corrupt_and_missing_files_are_detected(storage, source):
     data = bytearray(open(target, "rb").read())
     data[10] ^= 0xFF
     open(target, "wb").write(bytes(data))
-    with pytest.raises(CheckpointCorrupt, match="model.pt.*sha256"):
+    with pytest.raises(CheckpointCorrupt, match="model.pt.*blake3"):
         storage.materialize(persisted.uri, persisted.manifest_sha256, "/tmp")
     open(target, "ab").write(b"x")
     with pytest.raises(CheckpointCorrupt, match="bytes"):

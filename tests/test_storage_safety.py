@@ -228,7 +228,7 @@ def test_changed_file_fails_verification_naming_it(layout, source):
     persisted = storage.upload(source, "ns", "run", 0)
     with open(os.path.join(persisted.uri, "model.pt"), "r+b") as f:
         f.write(b"M")  # same size, other bytes
-    with pytest.raises(CheckpointCorrupt, match=r"'model.pt' has a different sha256"):
+    with pytest.raises(CheckpointCorrupt, match=r"'model.pt' has a different blake3 digest"):
         storage.verify(persisted.uri, persisted.manifest_sha256)
 
 

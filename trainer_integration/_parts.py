@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import posixpath
 import shutil
 import tempfile
 import threading
@@ -25,6 +26,7 @@ from concurrent.futures import Future
 
 from trainer_integration._delivery import with_backoff
 from trainer_integration._imports import import_once
+from trainer_integration._rank_files import file_rank
 from trainer_integration._request import CheckpointUploadMode, PreparedReport
 from validation_service.errors import CkvalError, InvalidInput
 from validation_service.jobs import AssemblyStatus
@@ -115,6 +117,7 @@ class PartReport:
 
     rank: int
     sealed: Future
+    joined: Future  # the report's Slot (index, folder, assembly), once this rank joined
 
 
 class ShardReporter:
@@ -162,7 +165,7 @@ class ShardReporter:
         reporter.remember(joined, sealed)
         if mode is CheckpointUploadMode.SYNC and staged is None:
             stored.result()  # remote storage: stored when report() returns
-        return PartReport(self.rank, sealed)
+        return PartReport(self.rank, sealed, joined)
 
     # ------------------------------------------------------------- the threads
     def _advance(self, call) -> None:
@@ -209,24 +212,41 @@ class ShardReporter:
 
         reporter = self.reporter
         storage = reporter.storage
-        if location is not None:
-            part = PartRecord(self.rank, location, None, 0, metrics)
-        else:
-            try:
+        try:
+            if location is not None:
+                files = self._hash_own_files(location)
+            else:
                 path, files = self._store_files(storage, slot, checkpoint, source, staged)
-            except BaseException as exc:
-                if staged is not None:
-                    storage.discard(staged)
-                failed = PartRecord.failed(self.rank, metrics, f"rank {self.rank}: {exc}")
-                reporter.writer.assemblies.arrive(slot.assembly_id, failed)
-                raise
-            size = sum(entry["size"] for entry in files.values())
-            part = PartRecord(self.rank, storage.uri_for(path), files, size, metrics)
+                location = storage.uri_for(path)
+        except BaseException as exc:
+            if staged is not None:
+                storage.discard(staged)
+            failed = PartRecord.failed(self.rank, metrics, f"rank {self.rank}: {exc}")
+            reporter.writer.assemblies.arrive(slot.assembly_id, failed)
+            raise
+        size = sum(entry["size"] for entry in files.values())
+        part = PartRecord(self.rank, location, files, size, metrics)
         with_backoff(
             lambda: reporter.writer.assemblies.arrive(slot.assembly_id, part),
             timeout_s=reporter.settings.delivery_timeout_s,
         )
         return slot
+
+    def _hash_own_files(self, location: str) -> dict:
+        """NO_UPLOAD: this rank hashes its own shards of the folder every rank wrote
+        into (named for it, as torch.distributed.checkpoint and DeepSpeed name them);
+        the sealer hashes the rest (metadata, configs: perhaps written by every rank)
+        once every rank has reported."""
+        hash_own_files = import_once("validation_service.parts").hash_own_files
+
+        reporter = self.reporter
+
+        def owns(rel: str) -> bool:
+            return file_rank(posixpath.basename(rel)) == self.rank
+
+        return hash_own_files(
+            reporter.storage, location, reporter.settings.namespace, reporter.run, owns
+        )
 
     def _store_files(self, storage, slot, checkpoint, source, staged):
         store_part = import_once("validation_service.parts").store_part
@@ -316,7 +336,7 @@ class ShardReporter:
         if not _is_local(checkpoint):
             return None  # a remote folder: downloaded by the storing thread
         try:
-            return scan_folder(checkpoint.path)
+            source = scan_folder(checkpoint.path)
         except CkvalError as exc:  # its own type, saying which rank's folder it is
             exc.args = (
                 f"report() on rank {self.rank}: {exc} Pass Checkpoint.from_directory(d) of a "
@@ -331,6 +351,8 @@ class ShardReporter:
                 "this rank wrote and can read; this report's checkpoint is left INCOMPLETE "
                 "on every rank."
             ) from None
+        import_once("validation_service.parts").check_part_names(source, self.rank)
+        return source
 
 
 def _incomplete_reason(standing, call) -> str:

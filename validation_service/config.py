@@ -256,7 +256,8 @@ class Settings(BaseSettings):
     # Run attempts: a run name reused after the run ended keeps adding to its last attempt.
     append: bool = False
     # Ranks of one sharded report that wrote different content under one file name:
-    # "warn" keeps the lowest rank's file and warns; "error" fails the report.
+    # "warn" keeps one rank's file (local storage: the lowest rank's; object storage: the
+    # last written) and warns; "error" fails the report.
     shard_conflicts: Literal["warn", "error"] = "warn"
 
     def resolved_home(self) -> Path:

@@ -1,26 +1,43 @@
 """A checkpoint folder as ckval copies and checks it: the manifest (each file's size and
-sha256, the empty folders), the scan of a local folder, and the staged copy of one.
+digest, the algorithm that made them, the empty folders), the scan of a local folder,
+and the one-pass copy of a file.
 
 Manifest entries are plain relative paths that stay inside the folder, checked when a
-manifest is written and when it is read.
+manifest is written and when it is read. New manifests use BLAKE3; those of earlier
+releases (SHA-256, no algorithm named) verify as they always did.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import json
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from validation_service.errors import CheckpointNotFound, InvalidInput
 
 MANIFEST_NAME = ".ckval-manifest.json"
-_CHUNK = 4 * 1024 * 1024
+
+
+def _blake3():
+    import blake3  # on first use: importing trainer_integration stays cheap
+
+    return blake3.blake3()
+
+
+# The digests a manifest may name; each file's entry holds its digest under that name.
+DIGESTS = {"blake3": _blake3, "sha256": hashlib.sha256}
+DIGEST_ALGORITHM = "blake3"  # what ckval writes; "sha256" is what earlier releases wrote
+_LEGACY_ALGORITHM = "sha256"  # a manifest that names no algorithm
+# One private buffer per copy: each byte is read once into it, hashed there and written
+# from there (small enough to stay in the core's cache between the three).
+_BUFFER = 128 * 1024
+
+
+class UnknownDigestAlgorithm(ValueError):
+    """A manifest names a digest this release of ckval does not know."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,25 +47,40 @@ class Manifest:
     # as an added file does (listed only when there are some, so other manifests read
     # as they always did).
     folders: tuple[str, ...] = ()
+    algorithm: str = DIGEST_ALGORITHM
 
     @property
     def total_size(self) -> int:
         return sum(entry["size"] for entry in self.files.values())
 
     def to_bytes(self) -> bytes:
-        body: dict[str, Any] = {"version": 1, "files": self.files, "total_size": self.total_size}
+        body: dict[str, Any] = {
+            "version": 2,
+            "algorithm": self.algorithm,
+            "files": self.files,
+            "total_size": self.total_size,
+        }
         if self.folders:
             body["folders"] = sorted(self.folders)
         return json.dumps(body, sort_keys=True, indent=1).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
-        """The manifest in ``data``; raises ValueError naming what is wrong with it."""
+        """The manifest in ``data``; raises ValueError naming what is wrong with it
+        (UnknownDigestAlgorithm for a digest this release does not know)."""
         try:
             body = json.loads(data)
             files, folders = body["files"], body.get("folders", [])
+            algorithm = body.get("algorithm", _LEGACY_ALGORITHM)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"its manifest is not a ckval manifest ({exc})") from None
+        if algorithm not in DIGESTS:
+            raise UnknownDigestAlgorithm(
+                f"its manifest names the digest algorithm {algorithm!r}, which this release "
+                f"of ckval does not know (it knows {', '.join(sorted(DIGESTS))}): it was "
+                "written by a newer ckval. Upgrade ckval where checkpoints are verified "
+                "(the validation workers); the checkpoint's files were not read"
+            )
         if not isinstance(files, dict) or not isinstance(folders, list):
             raise ValueError("its manifest's 'files' is not a mapping or 'folders' no list")
         for rel in folders:
@@ -62,10 +94,29 @@ class Manifest:
             if not (
                 isinstance(entry, dict)
                 and isinstance(entry.get("size"), int)
-                and isinstance(entry.get("sha256"), str)
+                and isinstance(entry.get(algorithm), str)
             ):
-                raise ValueError(f"its manifest's entry for {rel!r} has no size and sha256")
-        return cls(files=files, folders=tuple(folders))
+                raise ValueError(f"its manifest's entry for {rel!r} has no size and {algorithm}")
+        return cls(files=files, folders=tuple(folders), algorithm=algorithm)
+
+
+def algorithm_of(files: dict[str, dict[str, Any]]) -> str:
+    """The one digest algorithm of file entries (ckval's own for none); raises
+    InvalidInput when they were hashed with several (copies made by different releases
+    of ckval: one manifest names one algorithm)."""
+    found = {name for entry in files.values() for name in DIGESTS if name in entry}
+    if len(found) > 1:
+        raise InvalidInput(
+            f"the files were hashed with different digests ({', '.join(sorted(found))}): "
+            "the ranks of one report run different releases of ckval. Install one release "
+            "on every worker; nothing was registered."
+        )
+    return found.pop() if found else DIGEST_ALGORITHM
+
+
+def same_content(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two file entries (size and digest) describe the same bytes."""
+    return a == b
 
 
 def manifest_entry_problem(rel: object) -> str | None:
@@ -149,83 +200,32 @@ def _parents(rels) -> set[str]:
     return {rel.rsplit("/", depth)[0] for rel in rels for depth in range(1, rel.count("/") + 1)}
 
 
-def copy_local_file(source: str, fout) -> dict[str, Any]:
-    """Copies the local file ``source`` into the new local file ``fout`` (opened for
-    binary writing, nothing written yet) in the kernel, while a second thread hashes the
-    source: a copy as fast as ``cp``'s where the machine has a core to spare for sha256.
+def copy_hashing(fin, fout=None, algorithm: str = DIGEST_ALGORITHM) -> dict[str, Any]:
+    """Reads ``fin`` once, each piece into one private buffer, hashes it there and writes
+    it to ``fout`` from there (nothing written when None); returns the size and digest.
 
-    Returns the size and sha256 of what was read; raises ValueError when the file
-    changed size while it was copied (its copy and its hash would differ).
+    The bytes written are the bytes hashed, whatever changes in the source meanwhile,
+    and memory stays at one buffer whatever the file's size. ``fin`` is a local file
+    opened unbuffered (``open(path, "rb", buffering=0)``: one read call per piece) or
+    any fsspec file.
     """
-    hashed = _hashing_threads().submit(_sha256_of, source)
-    with open(source, "rb") as fin:
-        copied = _kernel_copy(fin, fout)
-    entry = hashed.result()
-    if entry["size"] != copied:
-        raise ValueError(
-            f"{source!r} changed while it was copied ({copied} bytes copied, "
-            f"{entry['size']} hashed): leave a reported folder as it is until its copy is done"
-        )
-    return entry
-
-
-_hashing_pool: ThreadPoolExecutor | None = None
-_hashing_lock = threading.Lock()
-
-
-def _hashing_threads() -> ThreadPoolExecutor:
-    global _hashing_pool
-    with _hashing_lock:
-        if _hashing_pool is None:
-            _hashing_pool = ThreadPoolExecutor(4, thread_name_prefix="ckval-hash")
-        return _hashing_pool
-
-
-def _sha256_of(path: str) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        return _copy_hashing(f, None)
-
-
-def _kernel_copy(fin, fout) -> int:
-    """Copies ``fin`` into ``fout`` with copy_file_range (sendfile where the kernel or the
-    filesystems refuse it; a plain loop as the last resort); returns the bytes copied."""
-    fout.flush()
-    source, target = fin.fileno(), fout.fileno()
-    copied = 0
-    for kernel_call in (_copy_file_range, _sendfile):
-        try:
-            while count := kernel_call(source, target, copied):
-                copied += count
-            return copied
-        except OSError as exc:
-            if copied or exc.errno not in _NO_KERNEL_COPY:
-                raise
-    while chunk := fin.read(_CHUNK):
-        fout.write(chunk)
-        copied += len(chunk)
-    return copied
-
-
-_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
-
-
-def _copy_file_range(source: int, target: int, offset: int) -> int:
-    return os.copy_file_range(source, target, _CHUNK * 64)
-
-
-def _sendfile(source: int, target: int, offset: int) -> int:
-    return os.sendfile(target, source, offset, _CHUNK * 64)
-
-
-def _copy_hashing(fin, fout) -> dict[str, Any]:
-    digest = hashlib.sha256()
+    digest = DIGESTS[algorithm]()
+    buffer = bytearray(_BUFFER)
+    view = memoryview(buffer)
     size = 0
-    while chunk := fin.read(_CHUNK):
-        digest.update(chunk)
-        size += len(chunk)
+    while count := fin.readinto(buffer):
+        piece = view[:count]
+        digest.update(piece)
         if fout is not None:
-            fout.write(chunk)
-    return {"size": size, "sha256": digest.hexdigest()}
+            fout.write(piece)
+        size += count
+    return {"size": size, algorithm: digest.hexdigest()}
+
+
+def copy_file(source: str, fout) -> dict[str, Any]:
+    """Copies the local file ``source`` into ``fout`` in one pass (copy_hashing)."""
+    with open(source, "rb", buffering=0) as fin:
+        return copy_hashing(fin, fout)
 
 
 def scan_folder(local_dir: str | os.PathLike) -> CheckpointFolder:

@@ -1,4 +1,4 @@
-"""Checkpoint storage over fsspec: upload with a manifest (sizes, sha256), verify, download.
+"""Checkpoint storage over fsspec: upload with a manifest (sizes, digests), verify, download.
 
 Every path it writes or deletes is checked to lie inside the storage root first, after
 resolving (symlinks for a local root, ``..`` for any root); it deletes only inside a run's
@@ -16,6 +16,7 @@ import posixpath
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -33,11 +34,13 @@ from validation_service.manifest import (
     CheckpointFolder,
     Manifest,
     StagedCheckpoint,
-    _copy_hashing,
+    UnknownDigestAlgorithm,
     _local_tree,
     _parents,
     _UnsafeFolder,
-    copy_local_file,
+    algorithm_of,
+    copy_file,
+    copy_hashing,
     manifest_entry_problem,
     scan_folder,
 )
@@ -54,7 +57,8 @@ STAGING_PREFIX = ".staging-"
 @dataclasses.dataclass(frozen=True)
 class PersistedCheckpoint:
     """A checkpoint as stored: where, how many bytes, and the SHA-256 of its manifest
-    (each file's path, size and digest), which the registry keeps to detect damage."""
+    (each file's path, size and digest), which the registry keeps to detect damage (the
+    files' own digests are in the manifest, BLAKE3 since manifests name their algorithm)."""
 
     uri: str
     size_bytes: int
@@ -257,7 +261,8 @@ class CheckpointStorage:
         *,
         attempt: int = 1,
     ) -> PersistedCheckpoint:
-        """Copies a local checkpoint folder (or its scan()) into storage, hashing as it copies.
+        """Copies a local checkpoint folder (or its scan()) into storage, hashing as it
+        copies (one read of each byte).
 
         Never overwrites: a folder already at the destination raises CheckpointExists.
         """
@@ -276,8 +281,8 @@ class CheckpointStorage:
             raise CheckpointExists(self.uri_for(dest))
         files: dict[str, dict[str, Any]] = {}
         for rel, src in folder.files:
-            with open(src, "rb") as fin, self.fs.open(posixpath.join(dest, rel), "wb") as fout:
-                files[rel] = _copy_hashing(fin, fout)
+            with self.fs.open(posixpath.join(dest, rel), "wb") as fout:
+                files[rel] = copy_file(src, fout)
         # The manifest goes last: its presence marks a complete upload.
         manifest = self._write_manifest(dest, files)
         return self.persisted(dest, files, manifest)
@@ -302,7 +307,7 @@ class CheckpointStorage:
                 target = os.path.join(staging, rel)
                 make_private_folders(os.path.dirname(target))
                 with create_private_file(target) as fout:
-                    files[rel] = copy_local_file(src, fout)
+                    files[rel] = copy_file(src, fout)
             manifest = self._write_manifest(staging, files, folder.folders)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -325,14 +330,49 @@ class CheckpointStorage:
         """Removes a staged copy that will not be committed."""
         shutil.rmtree(staged.path, ignore_errors=True)
 
-    def adopt(self, uri: str, namespace: str, run: str) -> PersistedCheckpoint:
+    def adopt(
+        self, uri: str, namespace: str, run: str, *, hashed: dict[str, Any] | None = None
+    ) -> PersistedCheckpoint:
         """Registers a checkpoint where it is (NO_UPLOAD): writes its manifest in place.
 
         Under the storage root it must lie inside the reporter's own run folder
         (``<root>/<namespace>/<run>/...``): any other folder there is another run's (or
         another namespace's) to keep and delete. Outside the root it is registered where
-        it is, and retention never deletes its files.
+        it is, and retention never deletes its files. ``hashed``: entries of its files
+        hashed already (by the ranks that wrote them); the others are hashed here.
         """
+        path, present, folders = self._in_place(uri, namespace, run)
+        hashed = hashed or {}
+        gone = sorted(set(hashed) - set(present))
+        if gone:
+            raise CheckpointNotFound(
+                uri, f"file(s) hashed when they were reported are gone: {_listed(gone)}"
+            )
+        files = {}
+        for rel, full in present.items():
+            if rel in hashed:
+                files[rel] = hashed[rel]
+                continue
+            with self._open_stored(full) as f:
+                files[rel] = copy_hashing(f)
+        return self.persisted(path, files, self._write_manifest(path, files, folders, True))
+
+    def hash_in_place(
+        self, uri: str, namespace: str, run: str, owns: Callable[[str], bool]
+    ) -> dict[str, Any]:
+        """Sizes and digests of the files of a NO_UPLOAD folder (checked as adopt() checks
+        it) whose relative paths ``owns`` picks; writes nothing."""
+        _, present, _ = self._in_place(uri, namespace, run)
+        files = {}
+        for rel, full in present.items():
+            if owns(rel):
+                with self._open_stored(full) as f:
+                    files[rel] = copy_hashing(f)
+        return files
+
+    def _in_place(self, uri: str, namespace: str, run: str):
+        """(path, files, empty folders) of a folder to register where it is, refused
+        (InvalidInput, CheckpointNotFound) where NO_UPLOAD may not register it."""
         path = self.readable_path(uri)
         if self.in_root(uri) and not self.in_run_folder(uri, namespace, run):
             raise InvalidInput(
@@ -351,11 +391,7 @@ class CheckpointStorage:
                 f"Checkpoint {uri!r} cannot be registered in place: {exc}. Nothing was "
                 "written. Replace the link with the files it points to."
             ) from None
-        files = {}
-        for rel, full in present.items():
-            with self._open_stored(full) as f:
-                files[rel] = _copy_hashing(f, None)
-        return self.persisted(path, files, self._write_manifest(path, files, folders, True))
+        return path, present, folders
 
     def write_manifest(self, directory: str, files: dict) -> bytes:
         """Writes the manifest of files already in ``directory`` (an assembled checkpoint)."""
@@ -370,7 +406,7 @@ class CheckpointStorage:
                     f"Checkpoint file {rel!r} cannot be listed in a manifest: {problem}. "
                     "Rename it; nothing was registered."
                 )
-        manifest = Manifest(files, tuple(folders)).to_bytes()
+        manifest = Manifest(files, tuple(folders), algorithm_of(files)).to_bytes()
         target = posixpath.join(directory, MANIFEST_NAME)
         if not self.is_local:
             with self.fs.open(target, "wb") as f:
@@ -403,12 +439,15 @@ class CheckpointStorage:
             raise CheckpointCorrupt(uri, "the manifest itself was changed")
         try:
             return Manifest.from_bytes(data)
+        except UnknownDigestAlgorithm as exc:
+            raise InvalidInput(f"Checkpoint at {uri}: {exc} ({manifest_path}).") from None
         except ValueError as exc:
             raise CheckpointCorrupt(uri, f"{exc}; nothing was read or written") from None
 
     def verify(self, uri: str, manifest_sha256: str | None) -> Manifest:
         """Checks the folder holds exactly the manifest's files (and empty folders), each
-        file of its size and sha256.
+        file of its size and digest (the manifest's algorithm: BLAKE3, or SHA-256 for a
+        manifest of an earlier release).
 
         Raises CheckpointNotFound when files are missing and nothing else is wrong, and
         CheckpointCorrupt when files were added or changed; both name every such file.
@@ -459,7 +498,7 @@ class CheckpointStorage:
                 out = None if target_root is None else _open_download(target_root, rel)
                 try:
                     with self._open_stored(present[rel]) as f:
-                        got = _copy_hashing(f, out)
+                        got = copy_hashing(f, out, manifest.algorithm)
                 except FileNotFoundError:
                     missing.append(rel)
                     continue
@@ -470,8 +509,10 @@ class CheckpointStorage:
                     changed.append(
                         f"{rel!r} has {got['size']} bytes, the manifest says {expected['size']}"
                     )
-                elif got["sha256"] != expected["sha256"]:
-                    changed.append(f"{rel!r} has a different sha256 than the manifest")
+                elif got[manifest.algorithm] != expected[manifest.algorithm]:
+                    changed.append(
+                        f"{rel!r} has a different {manifest.algorithm} digest than the manifest"
+                    )
         if not (missing or extra or changed):
             return
         problems = []
@@ -522,7 +563,7 @@ class CheckpointStorage:
 
     def _open_stored(self, full: str):
         # Local files are opened as found (symlinks inside the folder already resolved).
-        return open(full, "rb") if self.is_local else self.fs.open(full, "rb")
+        return open(full, "rb", buffering=0) if self.is_local else self.fs.open(full, "rb")
 
 
 def _under(path: str, folder: str) -> bool:

@@ -9,6 +9,7 @@ scripts are not plain enough to read that way.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -71,12 +72,17 @@ def downgrade(engine: Engine, url: str, revision: str) -> None:
     _migrate(engine, url, command.downgrade, revision)
 
 
+# Alembic keeps its running migration in module state (alembic.context, op): two threads
+# of one process migrating at once, even two databases, would meet in it.
+_ALEMBIC = threading.Lock()
+
+
 def _migrate(engine: Engine, url: str, run, revision: str) -> None:
     from alembic.util import CommandError
 
     from validation_service.errors import InvalidInput
 
-    with schema_lock(url):
+    with _ALEMBIC, schema_lock(url):
         config = alembic_config(url)
         with engine.execution_options(**{WRITE_OPTION: True}).connect() as connection:
             with _sqlite_foreign_keys_off(connection):

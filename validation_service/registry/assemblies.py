@@ -81,10 +81,11 @@ class ReportCall:
 
 @dataclasses.dataclass(frozen=True)
 class PartRecord:
-    """One rank's part: its stored files (relative path -> size and digest, or None for a
-    folder registered in place by NO_UPLOAD, at ``location``), a part that failed
-    (``detail`` says why), or one still being stored (PENDING). ``reported_metrics`` are
-    the rank's own: the checkpoint keeps the lowest rank's."""
+    """One rank's part: its stored files (relative path -> size and digest) at
+    ``location``, or, for a folder registered in place (NO_UPLOAD), the files of it this
+    rank hashed (its own shards); a part that failed (``detail`` says why); or one still
+    being stored (PENDING). ``reported_metrics`` are the rank's own: the checkpoint keeps
+    the lowest rank's."""
 
     rank: int
     location: str | None

@@ -446,7 +446,8 @@ class CheckpointPart(Base):
     status: Mapped[str] = mapped_column(String(16), default=PartStatus.STORED.value)
     detail: Mapped[str | None] = mapped_column(Text, nullable=True)
     location: Mapped[str | None] = mapped_column(Text, nullable=True)
-    # relative path -> {"size", "sha256"}; None for a folder registered in place.
+    # relative path -> {"size", "<algorithm>": digest} ("blake3"; "sha256" from earlier
+    # releases); for a folder registered in place, the files its rank hashed, or None.
     files: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     reported_metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
