@@ -5,8 +5,8 @@ ckval's ways run in R processes started beforehand (imports not counted), one pe
 each with its own reporter on one registry (SQLite under the run's CKVAL_HOME), as the
 ranks of a Ray Train run have: each calls ``ShardReporter.report`` with its folder (SYNC:
 returns once its copy is stored; ASYNC: at once, the copy on the reporter's thread) and
-waits until its part is stored and recorded, then the lowest rank seals the checkpoint
-(``ShardReporter.seal``: the parts renamed into one folder, one manifest, registered).
+the lowest rank seals the checkpoint once every part is stored and recorded (the parts
+made one folder, one manifest, registered).
 Timed from the first report to the seal. Ray Train itself is not on this path (its rank
 sync is what the train part measures).
 
@@ -81,13 +81,15 @@ def copy_with_fsspec(folders: list[Path], dest: Path) -> None:
             future.result()
 
 
-def rank_process(rank: int, connection) -> None:
-    """One rank's process: reports its folder as its part, seals, or runs a diagnostic."""
+def rank_process(rank: int, world_size: int, connection) -> None:
+    """One rank's process: reports its folder as its part, waits for the seal, or runs a
+    diagnostic."""
     from ray.train import Checkpoint
 
-    from trainer_integration._parts import ReportKey, ShardReporter
+    from trainer_integration._parts import ShardReporter
     from trainer_integration._reporter import RunReporter
     from trainer_integration._request import CheckpointUploadMode, PreparedReport
+    from validation_service.registry.assemblies import ReportCall
 
     reporter = RunReporter(RUN, start_service=False)
     shards = {}
@@ -98,30 +100,21 @@ def rank_process(rank: int, connection) -> None:
             connection.send(None)
         elif kind in ("SYNC", "ASYNC"):
             folder, group = argument
-            key = ReportKey(_done(group), 1)
+            call = ReportCall(group, 1, rank, world_size)
             prepared = PreparedReport({"step": 0}, None, CheckpointUploadMode[kind], False)
-            shard = ShardReporter(reporter, rank).report(
-                prepared, Checkpoint.from_directory(folder), key
+            shards[group] = ShardReporter(reporter, rank).report(
+                prepared, Checkpoint.from_directory(folder), call
             )
-            shard.registered.result()  # stored and recorded, as before Ray Train's rank sync
-            shards[group] = shard
             connection.send(None)
         elif kind == "seal":
-            shard = shards.pop(argument)
-            ShardReporter(reporter, rank).seal(shard)
-            connection.send(shard.uri)
+            # The lowest rank seals once every part is stored and recorded; the others'
+            # outcome is None.
+            sealed = shards.pop(argument).sealed.result()
+            connection.send(None if sealed is None else sealed.uri)
         else:
             diagnose(kind, *argument)
             connection.send(None)
     reporter.close()
-
-
-def _done(value):
-    from concurrent.futures import Future
-
-    future: Future = Future()
-    future.set_result(value)
-    return future
 
 
 def diagnose(kind: str, folder: str, dest: str) -> None:
@@ -151,7 +144,7 @@ class CkvalRanks:
         self.connections, self.processes = [], []
         for rank in range(ranks):
             ours, theirs = context.Pipe()
-            process = context.Process(target=rank_process, args=(rank, theirs), daemon=True)
+            process = context.Process(target=rank_process, args=(rank, ranks, theirs), daemon=True)
             process.start()
             self.connections.append(ours)
             self.processes.append(process)
@@ -166,8 +159,10 @@ class CkvalRanks:
             connection.send((mode, (str(folder), group)))
         for connection in self.connections:
             connection.recv()
-        self.connections[0].send(("seal", group))
-        return self.connections[0].recv()
+        for connection in self.connections:
+            connection.send(("seal", group))
+        [uri, *_] = [connection.recv() for connection in self.connections]
+        return uri
 
     def diagnose(self, kind: str, folders: list[Path], dest: Path) -> None:
         """One of DIAGNOSTIC_WAYS, each process on its rank's folder."""

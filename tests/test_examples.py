@@ -74,7 +74,10 @@ def test_ckval_demo(tmp_path):
     # Progress while training and after: plain lines (the output is no terminal).
     assert "ckval run 'demo-test': 2 reported, 0 queued, 0 running, 2 succeeded, 0 failed" in out
     progress = [line for line in out.splitlines() if line.startswith("ckval run 'demo-test'")]
-    assert 1 <= len(progress) <= 8 and len(set(progress)) == len(progress)
+    # A line only when the counts changed (a job waiting for its worker and then running
+    # again may bring an earlier line back, never the one just written).
+    assert 1 <= len(progress) <= 8
+    assert all(a != b for a, b in zip(progress, progress[1:], strict=False))
     assert_under_home(tmp_path, "demo-test")
     registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
     records = registry.checkpoints("demo-test")
@@ -172,7 +175,7 @@ def test_benchmark_sharded_persist_smoke(tmp_path):
     out = run(
         [sys.executable, "benchmarks/bench_sharded.py", "--smoke", "--parts", "persist"], tmp_path
     )
-    for way in ("cp", "fsspec", "ckval"):
+    for way in ("cp", "fsspec", "ckval-sync", "ckval-async"):
         assert f"\n| {way} | " in out
 
 

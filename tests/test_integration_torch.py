@@ -15,6 +15,7 @@ import torch
 
 from trainer_integration import report, resolve_checkpoint
 from validation_service.cli.demo import load_digits_split, make_model, validate_digits
+from validation_service.jobs import AssemblyStatus
 from validation_service.registry.registry import Registry
 
 pytestmark = pytest.mark.ray
@@ -186,7 +187,6 @@ def report_a_missing_then_a_real_checkpoint(config):
     while run not in trainer_integration._client._reporters and time.monotonic() < deadline:
         time.sleep(0.05)
     assert run in trainer_integration._client._reporters
-    assert Registry().find_run_id(run) is None
     missing = ray.train.Checkpoint.from_directory(os.path.join(config["home"], "no-such-dir"))
     try:
         report({"step": 0}, missing, validate_fn=validate_digits)
@@ -215,7 +215,12 @@ def test_a_checkpoint_that_cannot_be_stored_raises_on_rank_0_and_training_goes_o
     registry = Registry()
     registry.wait(unique_run, timeout_s=120)
     records = registry.checkpoints(unique_run)
-    assert [(r.report_index, r.reported_metrics["step"]) for r in records] == [(0, 1)]
+    # The refused report is its step left INCOMPLETE (rank 0's part failed, naming it), never
+    # listed nor validated; the next report is the run's one checkpoint.
+    [refused] = registry.incomplete_checkpoints(unique_run)
+    assert refused.status is AssemblyStatus.INCOMPLETE and "rank 0" in refused.detail
+    assert [(r.report_index, r.reported_metrics["step"]) for r in records] == [(1, 1)]
+    assert refused.report_index == 0
     assert records[0].validation_status == "VALIDATED"
     assert [m["step"] for _, m in result.best_checkpoints] == [1]
 

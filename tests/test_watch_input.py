@@ -128,11 +128,14 @@ def test_a_step_folder_later_without_a_step_is_reported_not_registered(
 
 
 def ckval(settings: Settings, *args: str):
-    # No service reachable (nothing listens there): `watch` says so at once.
+    # No service reachable (nothing listens there): `watch` says so at once. Where this
+    # process has joined the session's Ray already, the session's service (of another
+    # registry) is not found either: this registry's has a name of its own.
     env = {
         "CKVAL_STORAGE": settings.storage,
         "CKVAL_HOME": str(settings.home),
         "CKVAL_RAY_ADDRESS": "127.0.0.1:1",
+        "CKVAL_SERVICE_NAME": f"ckval-service-{settings.home.parent.name}",
     }
     return CliRunner().invoke(main, ["--database-url", settings.database_url, *args], env=env)
 

@@ -137,10 +137,19 @@ def train_driver(config: dict) -> None:
 
 
 def run_search(
-    scheduler, *, name: str, storage_path: str, lrs, epochs: int, callbacks=(), **timing
+    scheduler,
+    *,
+    name: str,
+    storage_path: str,
+    lrs,
+    epochs: int,
+    callbacks=(),
+    max_concurrent_trials: int | None = None,
+    **timing,
 ):
     """Runs the search; returns Tune's ResultGrid. ``timing``: ``epoch_s``,
-    ``validation_s``, and ``inline`` (validate in the training loop instead)."""
+    ``validation_s``, and ``inline`` (validate in the training loop instead). With
+    ``max_concurrent_trials=1`` the trials run one after another, in the order of ``lrs``."""
     config = {
         "inline": timing.get("inline", False),
         "lr": ray.tune.grid_search(list(lrs)),
@@ -152,7 +161,9 @@ def run_search(
     tuner = ray.tune.Tuner(
         train_driver,
         param_space=config,
-        tune_config=ray.tune.TuneConfig(scheduler=scheduler),
+        tune_config=ray.tune.TuneConfig(
+            scheduler=scheduler, max_concurrent_trials=max_concurrent_trials
+        ),
         run_config=ray.tune.RunConfig(
             name=name, storage_path=storage_path, verbose=0, callbacks=list(callbacks)
         ),

@@ -68,9 +68,12 @@ def check(storage, worker_group: str, rank: int) -> None:
                 raise InvalidInput(_split(what, place, mine, other))
 
 
+_PLURAL = {"registry": "registries", "storage": "storages"}
+
+
 def _split(what: str, place: str, mine: dict, other: dict) -> str:
     return (
-        f"the ranks of this Ray Train run report into different {what}s: rank "
+        f"the ranks of this Ray Train run report into different {_PLURAL[what]}: rank "
         f"{mine['rank']} (node {mine['host']}) into {mine[place]!r}, rank {other['rank']} "
         f"(node {other['host']}) into {other[place]!r}, another {what} although the "
         "address may read alike (a node's own default under its CKVAL_HOME). A checkpoint "

@@ -1,23 +1,8 @@
-"""Imports of the heavy modules (SQLAlchemy, pydantic, the service) that training code
-loads on first use, one thread at a time.
-
-``import trainer_integration`` loads none of them (tests/test_import_cost.py); they come
-in on the reporter's threads. Two threads importing SQLAlchemy at once can meet its
-modules half made (its package imports itself in a cycle, and Python lets one of two
-waiting imports through with a partly made module): every such import goes through
-``import_once``, under one lock.
-"""
+"""The training side's heavy imports, one thread at a time: validation_service.imports'
+lock, which ckval's errors take too (see there)."""
 
 from __future__ import annotations
 
-import importlib
-import threading
-from types import ModuleType
+from validation_service.imports import import_once
 
-_lock = threading.RLock()
-
-
-def import_once(name: str) -> ModuleType:
-    """``importlib.import_module(name)``, with no other thread importing through here."""
-    with _lock:
-        return importlib.import_module(name)
+__all__ = ["import_once"]

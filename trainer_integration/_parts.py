@@ -198,10 +198,20 @@ class ShardReporter:
 
         def record() -> None:
             part = PartRecord.failed(self.rank, metrics, f"rank {self.rank}: {detail}")
-            reporter.writer.assemblies.arrive(joined.result().assembly_id, part)
+            self._arrive_failed(joined.result().assembly_id, part)
 
         future = reporter.submit("store", record)
         reporter.remember(joined, future)
+
+    def _arrive_failed(self, assembly_id: int, part) -> None:
+        """Records a failed part and ends its report INCOMPLETE at once: it can never be
+        complete, and no rank may be left to end it (when no rank stored a part, none
+        seals). No sealer began: a seal waits for every joined part to arrive."""
+        assemblies = self.reporter.writer.assemblies
+        if assemblies.arrive(assembly_id, part):
+            assemblies.end(
+                assembly_id, AssemblyStatus.INCOMPLETE, f"a rank's part failed: {part.detail}"
+            )
 
     def _store(self, joined, checkpoint, source, staged, location, metrics):
         # The slot first: it was joined through the registry that the set-up thread
@@ -222,7 +232,7 @@ class ShardReporter:
             if staged is not None:
                 storage.discard(staged)
             failed = PartRecord.failed(self.rank, metrics, f"rank {self.rank}: {exc}")
-            reporter.writer.assemblies.arrive(slot.assembly_id, failed)
+            self._arrive_failed(slot.assembly_id, failed)
             raise
         size = sum(entry["size"] for entry in files.values())
         part = PartRecord(self.rank, location, files, size, metrics)

@@ -23,6 +23,7 @@ See docs/tune.md: what is forwarded when, and the limits.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -35,6 +36,9 @@ from validation_service.errors import InvalidInput
 __all__ = ["TuneReportCallback"]
 
 _STRICT_CHECK_OFF = "TUNE_DISABLE_STRICT_METRIC_CHECKING"
+_DRAIN_TIMEOUT_S = 60.0
+
+logger = logging.getLogger(__name__)
 
 
 class TuneReportCallback(*_ray_compat.tune_callback_bases()):
@@ -127,6 +131,15 @@ class TuneReportCallback(*_ray_compat.tune_callback_bases()):
     def after_controller_finish(self, result) -> None:
         if self._results is not None:
             self._results.finish()
+            # fit() returns next, and the trial's function with it: the last result must
+            # have left the trial's queue before Tune's own last result comes.
+            if not _ray_compat.wait_tune_queue_drained(self._to_tune, _DRAIN_TIMEOUT_S):
+                logger.warning(
+                    "Tune trial %s has not taken ckval run %r's last result within %.0f s",
+                    self._trial.trial_id,
+                    self._results.run,
+                    _DRAIN_TIMEOUT_S,
+                )
 
     def before_controller_abort(self) -> None:  # Ray 2.55+: Ctrl-C on the driver
         if self._results is not None:

@@ -27,6 +27,7 @@ import inspect
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -282,6 +283,33 @@ def tune_checked_metrics(storage: Any) -> tuple[str, ...] | None:
         checked += [name for name in names if isinstance(name, str) and name not in checked]
     # "_metric" is Tune's placeholder (DEFAULT_METRIC) for "not set": Tune skips it too.
     return tuple(name for name in checked if name != "_metric")
+
+
+def wait_tune_queue_drained(callback: Any, timeout_s: float, settle_s: float = 0.5) -> bool:
+    """Waits until the trial has taken every result that Ray's TuneReportCallback
+    (``callback``) put on its queue to Tune (``_training_actor_item_queue``, a
+    ``ray.util.queue.Queue`` of one item), then ``settle_s`` more for the trial's main
+    thread to hand the last one on. A result still queued when the trial's function
+    returns meets Tune's own last result there, and the trial hangs (Ray Tune's
+    ``_TrainSession.get_next`` puts it on a full result queue). Returns whether the queue
+    drained within ``timeout_s``; True where this Ray keeps no such queue."""
+    queue = getattr(callback, "_training_actor_item_queue", None)
+    if queue is None or not hasattr(queue, "empty"):
+        return True
+    deadline = time.monotonic() + timeout_s
+    pause = 0.01
+    while True:
+        try:
+            empty = queue.empty()
+        except Exception:  # noqa: BLE001 - the trial (and its queue's actor) is gone
+            return True
+        if empty:
+            time.sleep(settle_s)
+            return True
+        if time.monotonic() + pause > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
 
 
 def is_aborted_state(state: Any) -> bool:

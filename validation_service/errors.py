@@ -253,6 +253,12 @@ _class_lock = threading.Lock()
 
 
 def _registry_unavailable_class() -> type:
+    # SQLAlchemy comes in under the import lock of a training process's threads (one of
+    # them may be importing it for the registry now), and before this module's lock: a
+    # thread that holds the import lock may ask for this class as it imports.
+    from validation_service.imports import import_once
+
+    import_once("sqlalchemy.exc")
     with _class_lock:
         made = globals().get("RegistryUnavailable")
         if made is None:
