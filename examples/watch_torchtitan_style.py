@@ -114,7 +114,8 @@ def main() -> None:
     folder = args.folder or tempfile.mkdtemp(prefix="titan-checkpoints-")
     os.makedirs(folder, exist_ok=True)  # the trainer's checkpoint folder
     registry = Registry()
-    # `ckval watch FOLDER --run RUN --validate-fn module:fn` from a shell does the same.
+    # `ckval watch FOLDER --run RUN --validate-fn module:fn --resources JSON` from a shell
+    # does the same.
     watch_id = registry.watch(
         folder,
         args.run,

@@ -239,3 +239,37 @@ def test_gc_of_one_namespace_leaves_another_namespaces_parts(registry, tmp_path,
 
     assert kept and after_b.deleted_at is None  # team B's gc left team A's parts alone
     assert after_a.deleted_at is not None and not os.path.exists(slot.uri)  # A's own gc
+
+
+@pytest.mark.ray
+def test_the_reports_of_a_worker_group_ray_removed_end_incomplete_at_once(
+    ray_session, reg, unique_run
+):
+    """A Ray Tune trial stopped (or a run preempted) mid-report: its ranks are gone with
+    their placement group, and the scheduler's scan ends the open report INCOMPLETE, long
+    before the run is ended or the assembly's lease runs out. A live group's report, and
+    one of a placement group this cluster does not know (a run on another Ray cluster
+    reporting into this registry), are left open."""
+    import ray.util
+
+    from validation_service.service.worker_groups import end_reports_of_ended_groups
+
+    run_id = reg.ledger.ensure_run(unique_run, storage_root="/tmp/ckval-groups")
+    ended, live = (ray.util.placement_group([{"CPU": 0.01}]) for _ in range(2))
+    ray.get([ended.ready(), live.ready()], timeout=60)
+    ray.util.remove_placement_group(ended)
+    groups = {"ended": ended.id.hex(), "live": live.id.hex(), "elsewhere": "ab" * 18}
+    for name, pg_id in groups.items():
+        call = ReportCall(f"pg{pg_id}", 1, 0, 2)
+        reg.assemblies.join(run_id, call, lambda index, name=name: f"/tmp/ckval-groups/{name}")
+    deadline = time.monotonic() + 30
+    while end_reports_of_ended_groups(reg.assemblies) == 0:
+        assert time.monotonic() < deadline, "the removed group's report stayed open"
+        time.sleep(0.2)
+    states = {r.uri.rsplit("/", 1)[1]: r for r in reg.incomplete_checkpoints(unique_run)}
+    assert states["ended"].status is AssemblyStatus.INCOMPLETE
+    assert "its worker group ended first" in states["ended"].detail
+    assert states["live"].status is AssemblyStatus.ASSEMBLING
+    assert states["elsewhere"].status is AssemblyStatus.ASSEMBLING
+    assert end_reports_of_ended_groups(reg.assemblies) == 0  # once
+    ray.util.remove_placement_group(live)

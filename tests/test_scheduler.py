@@ -261,3 +261,25 @@ def test_an_outcome_the_database_refuses_fails_the_job_once(
         with registry.engine.begin() as conn:
             conn.exec_driver_sql("ALTER TABLE metric_values DROP CONSTRAINT IF EXISTS test_sane")
         registry.close()
+
+
+def test_the_cpu_pool_starts_as_many_attempts_as_it_has_warm_workers_growing_while_work_waits():
+    """service/warmth.py: on a fresh cluster one process starts first; each second that
+    due work waits for the limit, one more may start, up to the pool's size; a warm-up
+    under way counts as a process starting."""
+    from validation_service.service.warmth import GROW_AFTER_S, WarmWorkers
+
+    warmth = WarmWorkers(pool_size=3)
+    assert warmth.limit(busy=0, work_waits=True, now=0.0) == 1  # none known warm: one
+    warmth.warming(1)
+    assert warmth.limit(busy=0, work_waits=True, now=0.0) == 0  # that one is starting
+    warmth.warming(0)
+    warmth.saw([101, None])
+    assert warmth.limit(busy=1, work_waits=True, now=0.1) == 1  # waits from now on
+    assert warmth.limit(busy=1, work_waits=True, now=0.1 + GROW_AFTER_S / 2) == 1
+    assert warmth.limit(busy=1, work_waits=True, now=0.1 + GROW_AFTER_S) == 2  # grew
+    assert warmth.limit(busy=2, work_waits=True, now=0.1 + 1.5 * GROW_AFTER_S) == 2
+    assert warmth.limit(busy=2, work_waits=True, now=0.1 + 2 * GROW_AFTER_S) == 3
+    assert warmth.limit(busy=3, work_waits=True, now=0.1 + 9 * GROW_AFTER_S) == 3  # its size
+    warmth.saw([101, 102, 103, 104])
+    assert warmth.limit(busy=0, work_waits=False, now=20.0) == 3  # warm ones: at once

@@ -120,6 +120,48 @@ def test_the_watcher_reads_the_decision_and_the_override(registry, tmp_path):
     reporter.close()
 
 
+@pytest.mark.postgres
+def test_a_registry_it_cannot_read_is_said_once_and_its_return_too(
+    postgres_server_url, tmp_path, caplog
+):
+    """A real outage (the registry's connections cut, new ones refused): should_stop()
+    warns once, naming the reason, keeps its last answer, and says when it reads again."""
+    import sqlalchemy as sa
+
+    from tests.tcp_proxy import TcpProxy
+
+    Registry(postgres_server_url, upgrade=True).close()
+    url = sa.engine.make_url(postgres_server_url)
+    proxy = TcpProxy(url.host, url.port or 5432)
+    proxy.start()
+    through_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
+    run = f"outage-{uuid.uuid4().hex[:6]}"
+    settings = Settings(database_url=through_proxy, home=tmp_path, poll_interval_s=0.05)
+    reporter = RunReporter(run, settings, start_service=False)
+    logger = "trainer_integration._stopping"
+    try:
+        watcher = watch(run, reporter)
+        assert watcher.wait_for_first_look(30)
+        with caplog.at_level("WARNING", logger=logger):
+            proxy.stop()
+            _wait_for(lambda: _said(caplog, "cannot read run"), "the outage's warning")
+            time.sleep(3)  # several more looks fail meanwhile (one at most every 2 s)
+            assert should_stop(run=run) is False  # its last answer
+            proxy.start()
+            _wait_for(lambda: _said(caplog, "is read again"), "the registry's return", 60)
+        outage = [r.getMessage() for r in caplog.records if "cannot read run" in r.getMessage()]
+        assert len(outage) == 1, outage
+        assert repr(run) in outage[0] and "answers False until it can" in outage[0]
+    finally:
+        forget(run)
+        reporter.close()
+        proxy.stop()
+
+
+def _said(caplog, text: str) -> bool:
+    return any(text in record.getMessage() for record in caplog.records)
+
+
 def _wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

@@ -12,6 +12,7 @@ held back, one warning per trial) are checked without Ray.
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -245,3 +246,123 @@ def test_the_metrics_tune_checks_are_read_from_the_stored_tuner(tmp_path):
     assert _ray_compat.tune_checked_metrics(storage) == ("loss",)
     storage.experiment_fs_path = str(tmp_path / "elsewhere")
     assert _ray_compat.tune_checked_metrics(storage) is None
+
+
+def _pointer_to(tmp_path, index: int):
+    """A checkpoint as Ray Train holds one of ckval's: a pointer to report ``index``."""
+    import json
+
+    from ray.train import Checkpoint
+
+    from trainer_integration._ray_train import POINTER_FILE
+
+    folder = tmp_path / f"ray-checkpoint-{index}"
+    folder.mkdir()
+    pointer = {"run": "r", "report_index": index, "uri": str(folder), "complete": True}
+    (folder / POINTER_FILE).write_text(json.dumps(pointer))
+    return Checkpoint.from_directory(str(folder))
+
+
+@pytest.mark.parametrize("validated_only", [True, False])
+def test_results_go_to_tune_in_report_order_and_an_ended_validation_releases_the_line(
+    tmp_path, validated_only
+):
+    """Without Ray: a real registry, its jobs finished as the scheduler finishes them."""
+    import time
+
+    from tests.registry_world import report as register_reports
+    from trainer_integration._tune_results import TrialLink, TuneResults
+    from validation_service.config import Settings
+    from validation_service.registry.records import JobOutcome
+    from validation_service.storage import CheckpointStorage
+
+    settings = Settings(
+        home=tmp_path / "home",
+        database_url=f"sqlite:///{tmp_path / 'registry.db'}",
+        storage=str(tmp_path / "store"),
+    )
+    registry = Registry(settings=settings)
+    storage = CheckpointStorage(settings.storage)
+    register_reports(
+        registry,
+        storage,
+        "r",
+        [{"epoch": e, "loss": 1.0 - e / 10} for e in range(3)],
+        validate=True,
+        workdir=tmp_path,
+    )
+    sent: list[dict] = []
+    trial = TrialLink("t_00000", "search", checked=None, strict=True)
+    results = TuneResults(
+        "r", trial, settings, sent.append, validated_only=validated_only, poll_interval_s=0.05
+    )
+    results.add({"epoch": 0, "loss": 1.0}, _pointer_to(tmp_path, 0))
+    results.add({"epoch": 0, "loss": 1.0, "note": "no checkpoint"}, None)
+    results.add({"epoch": 1, "loss": 0.9}, _pointer_to(tmp_path, 1))
+    results.add({"epoch": 2, "loss": 0.8}, _pointer_to(tmp_path, 2))
+    jobs = {
+        job.report_index: job
+        for job in registry.job_queue.claim_due_jobs("test-owner", {"CPU": 100}, lease_s=60)
+    }
+
+    def finish(index: int, outcome: JobOutcome) -> None:
+        assert registry.job_queue.finish_job(jobs[index].job_id, jobs[index].lease_token, outcome)
+
+    # The last checkpoint is validated first: it waits for the earlier ones.
+    finish(2, JobOutcome(succeeded=True, metrics={"val_acc": 0.9}))
+    time.sleep(0.5)
+    assert sent == []
+    # The first one's validation fails for good: it releases the line, with its status.
+    finish(0, JobOutcome(succeeded=False, error_type="E", error_message="no", retryable=False))
+    deadline = time.monotonic() + 30
+    while len(sent) < (1 if validated_only else 2):
+        assert time.monotonic() < deadline, sent
+        time.sleep(0.05)
+    time.sleep(0.3)
+    first = sent[0]
+    assert first["ckval_report_index"] == 0 and first["ckval_validation_status"] == "FAILED"
+    assert "val_acc" not in first and first["checkpoint_path"].startswith(str(storage.root_uri))
+    if not validated_only:  # the report without a checkpoint, as Ray's callback hands it on
+        assert sent[1] == {"epoch": 0, "loss": 1.0, "note": "no checkpoint"}
+    # Report 1 has not ended: report 2 (validated long ago) still waits behind it.
+    assert [r.get("ckval_report_index") for r in sent if "ckval_report_index" in r] == [0]
+    finish(1, JobOutcome(succeeded=False, timed_out=True, retryable=False, error_type="T"))
+    results.finish(warn_every_s=30)
+    indexed = [r for r in sent if "ckval_report_index" in r]
+    assert [(r["ckval_report_index"], r["ckval_validation_status"]) for r in indexed] == [
+        (0, "FAILED"),
+        (1, "TIMED_OUT"),
+        (2, "VALIDATED"),
+    ]
+    assert indexed[2]["val_acc"] == 0.9 and indexed[2]["epoch"] == 2  # merged with the report
+    assert len(sent) == (3 if validated_only else 4)
+    registry.close()
+
+
+def test_ckval_runs_shows_one_searchs_trials_side_by_side(tmp_path):
+    from click.testing import CliRunner
+
+    from validation_service.cli import main
+
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    registry = Registry(url)
+    for name, search in [("trial-a", "s1"), ("trial-b", "s1"), ("other", "s2")]:
+        run_id = registry.ledger.ensure_run(name, storage_root=str(tmp_path / "store"))
+        registry.ledger.tag_run(run_id, {"tune_experiment": search, "tune_trial_id": name})
+    registry.close()
+    env = {"CKVAL_HOME": str(tmp_path / "home")}
+    shown = CliRunner().invoke(
+        main, ["--database-url", url, "runs", "--tag", "tune_experiment=s1"], env=env
+    )
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    assert "tags" in lines[0]
+    assert [line.split()[0] for line in lines[2:]] == ["trial-a", "trial-b"]
+    assert "tune_trial_id=trial-b" in lines[-1]
+    both = ["runs", "--tag", "tune_experiment=s1", "--tag", "tune_trial_id=trial-a", "--json"]
+    as_json = CliRunner().invoke(main, ["--database-url", url, *both], env=env)
+    assert [run["name"] for run in json.loads(as_json.output)] == ["trial-a"]
+    bad = CliRunner().invoke(
+        main, ["--database-url", url, "runs", "--tag", "tune_experiment"], env=env
+    )
+    assert bad.exit_code == 2 and "is no KEY=VALUE" in bad.output

@@ -166,3 +166,53 @@ def test_watch_watches_and_unwatch_from_a_shell(reg, settings, tmp_path, unique_
     assert ended.exit_code == 0 and "watch 1 ended" in ended.output
     assert ckval(settings, "unwatch", "1").exit_code == 2
     assert reg.watches() == []
+
+
+def test_a_watch_from_a_shell_validates_on_the_resources_it_names(
+    reg, settings, tmp_path, unique_run
+):
+    steps = tmp_path / "steps"
+    step_folder(steps, "step-1", 0.1)
+    resources = {"num_cpus": 0.5, "resources": {"eval_slot": 1}}
+    started = ckval(
+        settings,
+        "watch",
+        str(steps),
+        "--run",
+        unique_run,
+        "--validate-fn",
+        SCORE_FN,
+        "--resources",
+        json.dumps(resources),
+    )
+    assert started.exit_code == 0, started.output
+    FolderWatcher(reg.watch_listings, settings, "replica/1").tick()
+    [job] = reg.validations(unique_run)
+    assert job.resources["num_cpus"] == 0.5 and job.resources["resources"] == {"eval_slot": 1}
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ("{not json", "--resources is no JSON"),
+        ("[1]", "--resources must be a JSON object"),
+        ('{"num_gpus": -1}', "num_gpus"),
+    ],
+)
+def test_a_watch_from_a_shell_with_bad_resources_is_refused(
+    reg, settings, tmp_path, unique_run, given, expected
+):
+    (tmp_path / "steps").mkdir()
+    refused = ckval(
+        settings,
+        "watch",
+        str(tmp_path / "steps"),
+        "--run",
+        unique_run,
+        "--validate-fn",
+        SCORE_FN,
+        "--resources",
+        given,
+    )
+    assert refused.exit_code == 2 and expected in refused.output, refused.output
+    assert nothing_stored(reg, unique_run)

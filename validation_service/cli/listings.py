@@ -25,19 +25,50 @@ if TYPE_CHECKING:
     from validation_service.registry.records import CheckpointRecord, ValidationCost
 
 
+def _run_tags(
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+) -> dict[str, str]:
+    tags = {}
+    for value in values:
+        key, sep, wanted = value.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{value!r} is no KEY=VALUE, e.g. tune_experiment=search-1")
+        tags[key] = wanted
+    return tags
+
+
 @click.command()
 @status_option
+@click.option(
+    "--tag",
+    "tags",
+    multiple=True,
+    metavar="KEY=VALUE",
+    callback=_run_tags,
+    help="Only runs with this run tag (repeatable), e.g. tune_experiment=NAME: the trials "
+    "of one Ray Tune search side by side, with their tags shown.",
+)
 @json_option
 @click.pass_context
-def runs(ctx: click.Context, status: str | None, as_json: bool) -> None:
+def runs(ctx: click.Context, status: str | None, tags: dict[str, str], as_json: bool) -> None:
     """List runs (each attempt of a run name) with their checkpoint and validation counts."""
     summaries = list_run_summaries(ctx, status)
+    if tags:
+        summaries = [
+            s
+            for s in summaries
+            if all(str(s.run.tags.get(key)) == value for key, value in tags.items())
+        ]
     if as_json:
         from validation_service.api.views import run_json
 
         echo_json([run_json(summary) for summary in summaries])
         return
     headers, rows = run_rows(summaries)
+    if tags:  # a search side by side: which trial each run is
+        headers = [*headers, "tags"]
+        for row, summary in zip(rows, summaries, strict=True):
+            row.append(" ".join(f"{k}={v}" for k, v in sorted(summary.run.tags.items())))
     echo(render_table(headers, rows))
 
 

@@ -32,6 +32,13 @@ from validation_service.cli.evaluations import (
 )
 @click.option("--pattern", default=None, metavar="GLOB", help="Step folders' names, e.g. 'step-*'.")
 @click.option("--copy", is_flag=True, help="Copy each step folder into ckval's storage first.")
+@click.option(
+    "--resources",
+    default=None,
+    metavar="JSON",
+    help="validation_resources of each step folder's validation, a JSON object, e.g. "
+    '\'{"num_gpus": 1, "accelerator_type": "A10G"}\' (its resource pool).',
+)
 @click.pass_context
 def watch(ctx: click.Context, uri: str, **options: Any) -> None:
     """Register and validate each new step folder of URI (a path or any fsspec URI)."""
@@ -46,6 +53,7 @@ def watch(ctx: click.Context, uri: str, **options: Any) -> None:
         ready=options["ready"],
         pattern=options["pattern"],
         copy=options["copy"],
+        validation_resources=_json_object(options["resources"], "--resources"),
     )
     echo(
         f"watch {watch_id}: the service lists {uri} every "

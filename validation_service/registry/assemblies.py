@@ -323,6 +323,34 @@ class Assemblies(NamespaceRoom):
             )
 
     @retry_on_disconnect
+    def open_group_keys(self) -> dict[int, str]:
+        """Assembly id -> group key (ReportCall.group_key) of this namespace's open
+        assemblies: the scheduler asks Ray whether their worker groups still live."""
+        table = CheckpointAssembly
+        query = (
+            select(table.id, table.group_key)
+            .join(Run, Run.id == table.run_id)
+            .where(table.status.in_(_OPEN), Run.namespace == self.catalog.namespace)
+        )
+        with self.db.read() as session:
+            return {row.id: row.group_key for row in session.execute(query).all()}
+
+    @retry_on_disconnect
+    def give_up_ended_groups(self, assembly_ids: list[int]) -> int:
+        """Ends as INCOMPLETE these open assemblies, whose worker group ended (Ray removed
+        its placement group, and with it every rank that could still store a part or
+        seal). Returns how many ended."""
+        if not assembly_ids:
+            return 0
+        with self.db.write() as conn:
+            return _give_up(
+                conn,
+                "a rank's part never came: its worker group ended first (stopped, "
+                "preempted or failed)",
+                CheckpointAssembly.id.in_(assembly_ids),
+            )
+
+    @retry_on_disconnect
     def incomplete_to_delete(self, run_ids: list[int] | None = None) -> list[tuple]:
         """(assembly id, folder URI, run name, namespace, storage root) of this
         namespace's INCOMPLETE assemblies whose files are still there, less those whose

@@ -92,12 +92,14 @@ def open_report_writer(settings: Settings) -> ReportWriter:
 class ServiceParts(_OwnDatabase):
     """What a service replica's scheduler works with: the queue's claims, leases and
     outcomes (``job_queue``, which has housekeeping judged after them), the replicas'
-    rows (``replicas``) and the watched folders' listings (``watch_listings``);
+    rows (``replicas``), the watched folders' listings (``watch_listings``) and the
+    sharded reports whose worker group ended (``assemblies``);
     ``engine`` for the replica's wake-ups (wakeups.QueueListener)."""
 
     job_queue: JobQueue
     replicas: ReplicaBook
     watch_listings: WatchBook
+    assemblies: Assemblies
 
     @property
     def engine(self) -> Engine:
@@ -111,7 +113,13 @@ class ServiceParts(_OwnDatabase):
 def open_service_parts(settings: Settings) -> ServiceParts:
     """A service replica's parts, on the settings' registry (schema checked)."""
     db, catalog = _open_for_namespace(settings)
-    return ServiceParts(db, _job_queue(db, catalog, settings), ReplicaBook(db), WatchBook(db))
+    return ServiceParts(
+        db,
+        _job_queue(db, catalog, settings),
+        ReplicaBook(db),
+        WatchBook(db),
+        Assemblies(db, catalog),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

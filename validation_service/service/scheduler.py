@@ -36,6 +36,7 @@ from validation_service.retry import RetryPolicy
 from validation_service.service.resource_waits import ResourceWaits, with_usage
 from validation_service.service.warmth import WarmWorkers
 from validation_service.service.watcher import FolderWatcher
+from validation_service.service.worker_groups import end_reports_of_ended_groups
 from validation_service.sinks import SinkDispatcher
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class Scheduler:
     ):
         self.jobs = parts.job_queue
         self.replicas = parts.replicas
+        self.assemblies = parts.assemblies
         self.engine = parts.engine
         self.settings = settings
         # The replica's name (the service's, for the first): its leases' owner prefix, so
@@ -281,6 +283,7 @@ class Scheduler:
             requeued = self.jobs.requeue_expired(policy=self.retry_policy)
             if requeued:
                 logger.warning("requeued jobs with expired leases: %s", requeued)
+            self._end_reports_of_ended_groups()
             self._last_expiry_scan = now
         self._collect_warm_ups()
         self._collect()
@@ -293,6 +296,12 @@ class Scheduler:
                 self.keep_warm()
             except Exception:  # noqa: BLE001 - best effort: validations start workers anyway
                 logger.debug("keeping validation workers warm failed", exc_info=True)
+
+    def _end_reports_of_ended_groups(self) -> None:
+        try:
+            end_reports_of_ended_groups(self.assemblies)
+        except Exception:  # noqa: BLE001 - best effort: an ended run's gc ends them too
+            logger.debug("looking for sharded reports of ended worker groups failed", exc_info=True)
 
     def _claim_and_launch(self) -> None:
         # A read first: the write transaction of a claim only when a pool has due work
