@@ -103,6 +103,20 @@ def test_http_commands_run_only_the_allowed_programs(reg, settings, tmp_path, un
     assert [job.validator for job in reg.validations(unique_run)] == ["default"] * len(VALUES)
 
 
+def test_an_http_command_of_more_than_256_strings_is_refused(reg, settings, tmp_path, unique_run):
+    reported_run(tmp_path, settings, reg, unique_run)
+    url = f"/runs/{unique_run}/revalidate"
+    with api(settings, reg, allowed_commands=["echo"]) as client:
+        too_long = client.post(
+            url, json={"validator": "v2", "command": {"argv": ["echo", *["x"] * 256]}}
+        )
+        empty = client.post(url, json={"validator": "v2", "command": {"argv": []}})
+    for answer in (too_long, empty):
+        assert answer.status_code == 422, answer.text
+        assert "argv" in answer.text
+    assert [job.validator for job in reg.validations(unique_run)] == ["default"] * len(VALUES)
+
+
 def test_the_http_api_caps_what_one_revalidation_costs(reg, settings, tmp_path, unique_run):
     reported_run(tmp_path, settings, reg, unique_run)
     url = f"/runs/{unique_run}/revalidate"
