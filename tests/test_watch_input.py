@@ -5,6 +5,7 @@ in this process: FolderWatcher)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -216,3 +217,28 @@ def test_a_watch_from_a_shell_with_bad_resources_is_refused(
     )
     assert refused.exit_code == 2 and expected in refused.output, refused.output
     assert nothing_stored(reg, unique_run)
+
+
+def test_a_watch_from_a_shell_with_an_outside_program_validates_each_step_folder(
+    reg, settings, tmp_path, unique_run
+):
+    from tests.inprocess_attempts import run_until_settled
+
+    steps = tmp_path / "steps"
+    step_folder(steps, "step-7", 0.7)
+    program = (
+        f"{sys.executable} -c \"import json, os, sys; json.dump({{'metrics': {{'files': "
+        "len(os.listdir(sys.argv[1])), 'step_seen': int(sys.argv[3])}}, open(sys.argv[2], 'w'))\" "
+        "{checkpoint_dir} {result_path} {step}"
+    )
+    started = ckval(settings, "watch", str(steps), "--run", unique_run, "--command", program)
+    assert started.exit_code == 0, started.output
+    FolderWatcher(reg.watch_listings, settings, "replica/1").tick()
+    [job] = reg.validations(unique_run)
+    done = run_until_settled(reg, settings, job.id)
+    assert done.status == "SUCCEEDED", (done.error_message, done.error_traceback)
+    [record] = reg.checkpoints(unique_run)
+    # {step} is the report index (CommandValidator's contract); the folder's step is the
+    # checkpoint's step and its metric "step".
+    assert record.metrics["step_seen"] == record.report_index and record.metrics["files"] >= 1
+    assert record.step == 7 and record.metrics["step"] == 7
