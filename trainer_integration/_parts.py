@@ -29,7 +29,7 @@ from trainer_integration._imports import import_once
 from trainer_integration._rank_files import file_rank
 from trainer_integration._request import CheckpointUploadMode, PreparedReport
 from validation_service.errors import CkvalError, InvalidInput
-from validation_service.jobs import AssemblyStatus
+from validation_service.jobs import AssemblyStatus, PartStatus
 from validation_service.manifest import scan_folder
 from validation_service.payloads import signed_request
 
@@ -275,6 +275,16 @@ class ShardReporter:
         (the lowest with a stored part), None to the others."""
         slot = stored.result()
         standing = self._settled(slot, call)
+        if standing.status is AssemblyStatus.INCOMPLETE:
+            # Ended (a failed part ends it at once; gc may give it up): its parts are as
+            # they stay, and the lowest rank whose part did not fail tells Ray Train.
+            tellers = [p for p in standing.parts if p.status is not PartStatus.FAILED]
+            if not tellers or tellers[0].rank != self.rank:
+                return None
+            detail = _incomplete_reason(standing, call) if standing.failed else None
+            return Sealed(
+                slot.report_index, slot.uri, False, detail or "the report ended without it"
+            )
         stored_parts = standing.stored
         if not stored_parts or stored_parts[0].rank != self.rank:
             return None  # another rank seals, and tells Ray Train
