@@ -276,9 +276,12 @@ class ShardReporter:
         slot = stored.result()
         standing = self._settled(slot, call)
         if standing.status is AssemblyStatus.INCOMPLETE:
-            # Ended (a failed part ends it at once; gc may give it up): its parts are as
-            # they stay, and the lowest rank whose part did not fail tells Ray Train.
-            tellers = [p for p in standing.parts if p.status is not PartStatus.FAILED]
+            # Ended (a failed part ends it at once; gc may give it up): its parts stay as
+            # they are. The lowest rank with a stored part tells Ray Train; with none, the
+            # lowest whose part was still arriving (its arrival refused once it ended).
+            tellers = standing.stored or [
+                p for p in standing.parts if p.status is PartStatus.PENDING
+            ]
             if not tellers or tellers[0].rank != self.rank:
                 return None
             detail = _incomplete_reason(standing, call) if standing.failed else None
