@@ -54,8 +54,15 @@ def asha_search(service, tmp_path_factory):
     # Controllers of the session's earlier runs (their driver may still hold a handle) are
     # not this search's.
     earlier = _controllers_alive()
+    # Two at a time, the good learning rates first: ASHA promotes whichever trial reaches
+    # a rung first, so a poor trial ahead of every good one would never be judged.
     grid = run_search(
-        scheduler, name=name, storage_path=storage, lrs=GOOD_LRS + POOR_LRS, epochs=EPOCHS
+        scheduler,
+        name=name,
+        storage_path=storage,
+        lrs=GOOD_LRS + POOR_LRS,
+        epochs=EPOCHS,
+        max_concurrent_trials=2,
     )
     return name, grid, earlier
 
