@@ -101,7 +101,8 @@ def test_validation_config_and_task_config_become_one_ckval_job_each(service, tm
     for job in jobs:
         assert job.status == "SUCCEEDED"
         assert job.resources == {"num_cpus": 0.5, "memory": 10**8}
-        assert job.max_attempts == 3  # max_retries=2 with retry_exceptions: 3 runs at most
+        # max_retries=2: 3 attempts after lost workers; the fn's own retries run within one.
+        assert job.max_attempts == 3
         assert job.validate_fn_name == "kwargs_seen"
 
 
@@ -120,6 +121,14 @@ def test_a_ray_remote_kwarg_ckval_cannot_apply_is_refused_when_the_trainer_is_bu
             scaling_config=ScalingConfig(num_workers=0),
             validation_config=ValidationConfig(
                 kwargs_seen, ray_remote_kwargs={"max_retries": -1, "retry_exceptions": True}
+            ),
+        )
+    with pytest.raises(InvalidInput, match=r"a list of exception classes.*got \['ValueError'\]"):
+        trainer_integration.TorchTrainer(
+            report_twice,
+            scaling_config=ScalingConfig(num_workers=0),
+            validation_config=ValidationConfig(
+                kwargs_seen, ray_remote_kwargs={"retry_exceptions": ["ValueError"]}
             ),
         )
 
@@ -171,3 +180,33 @@ def test_the_tensorflow_trainer_keeps_validation_config_from_ray_too():
     assert trainer.validation_config is None
     # The train function carries it to the workers, with the resources in ckval's terms.
     assert trainer.train_loop_per_worker.validation.resources == {"num_gpus": 1}
+
+
+def test_the_fn_runs_again_only_after_an_error_that_retry_exceptions_names():
+    """Ray's retry_exceptions=[...] rule, in the attempt: the errors it names run the fn
+    again up to max_retries times; any other, or the last, fails the job at once, with
+    the fn's own error type (tests/test_ray_dropin_parity.py runs it on both sides)."""
+    from trainer_integration._ray_validation import KeywordValidateFn
+    from validation_service.errors import is_not_to_be_retried
+
+    calls = []
+
+    def flaky(checkpoint, fail_with):
+        calls.append(checkpoint)
+        if len(calls) <= 2:
+            raise fail_with("not yet")
+        return {"calls": len(calls)}
+
+    validate = KeywordValidateFn(flaky, (ConnectionError,), max_retries=2)
+    assert validate("c", {"fail_with": ConnectionError}) == {"calls": 3}
+
+    calls.clear()
+    with pytest.raises(ValueError, match="not yet") as raised:
+        validate("c", {"fail_with": ValueError})
+    assert len(calls) == 1 and is_not_to_be_retried(raised.value)
+
+    calls.clear()
+    once = KeywordValidateFn(flaky, (ConnectionError,), max_retries=1)
+    with pytest.raises(ConnectionError) as raised:
+        once("c", {"fail_with": ConnectionError})
+    assert len(calls) == 2 and is_not_to_be_retried(raised.value)

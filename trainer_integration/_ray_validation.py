@@ -6,18 +6,26 @@ from Ray and hand it to their workers inside the train function (``WithValidatio
 there ``report()`` turns ``validation=`` into ckval's ``validate_fn`` form with Ray's
 rules: ``fn(checkpoint, **fn_kwargs)``, the trainer's ``fn_kwargs`` then the report's,
 the report's ``timeout_s`` (or the trainer's for ``validation=True``), and
-``ray_remote_kwargs`` as resources and attempts. Nothing here imports Ray.
+``ray_remote_kwargs`` as resources and retries. As in Ray, the fn's exceptions are
+retried only with ``retry_exceptions`` (``True``: any; a list: those), up to
+``max_retries`` times, and ``timeout_s`` covers the validation with its retries: they run
+within one ckval attempt. The job's own attempts stand for Ray's retries after a system
+failure (a lost worker or node), which Ray makes up to ``max_retries`` times whatever
+``retry_exceptions`` says. Nothing here imports Ray.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from validation_service.errors import InvalidInput
+from validation_service.errors import InvalidInput, not_to_be_retried
+
+logger = logging.getLogger(__name__)
 
 # ray_remote_kwargs that are resources of the validation task, under ckval's own names.
 RESOURCE_KWARGS = ("num_cpus", "num_gpus", "memory", "accelerator_type", "resources")
@@ -29,19 +37,45 @@ RAY_DEFAULT_MAX_RETRIES = 3
 
 class KeywordValidateFn:
     """A Ray ``ValidationFn`` as ckval calls a validate_fn: ``fn(checkpoint, fn_kwargs)``
-    becomes ``fn(checkpoint, **fn_kwargs)``.
+    becomes ``fn(checkpoint, **fn_kwargs)``, run again after an exception that Ray's
+    ``retry_exceptions`` names, up to ``max_retries`` times.
 
     The second parameter is positional-only, so that ckval never mistakes a fn_kwargs
     entry named ``config`` for the keyword form of the call. The job's validate_fn name
-    (``__qualname__``) is the user's function's.
+    (``__qualname__``) is the user's function's. An exception that is not retried, or the
+    last one, fails the job at once: the job's attempts are for system failures.
     """
 
-    def __init__(self, fn: Callable[..., dict]):
+    def __init__(
+        self,
+        fn: Callable[..., dict],
+        retry_on: tuple[type[BaseException], ...] = (),
+        max_retries: int = 0,
+    ):
         self.fn = fn
+        self.retry_on = retry_on
+        self.max_retries = max_retries
         self.__qualname__ = getattr(fn, "__qualname__", type(fn).__name__)
 
     def __call__(self, checkpoint: Any, fn_kwargs: dict | None, /) -> dict:
-        return self.fn(checkpoint, **(fn_kwargs or {}))
+        retries_left = self.max_retries
+        while True:
+            try:
+                return self.fn(checkpoint, **(fn_kwargs or {}))
+            except Exception as exc:
+                if retries_left <= 0 or not isinstance(exc, self.retry_on):
+                    marked = not_to_be_retried(exc)
+                    if marked is exc:
+                        raise
+                    raise marked from exc
+                retries_left -= 1
+                logger.warning(
+                    "%s raised %s: running it again (%d of max_retries=%d left)",
+                    self.__qualname__,
+                    type(exc).__name__,
+                    retries_left,
+                    self.max_retries,
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +113,13 @@ class RayValidation:
                 "(a runtime_env belongs to the ckval service's Ray job)."
             )
         resources = {key: remote[key] for key in RESOURCE_KWARGS if key in remote}
+        max_retries = _max_retries(remote)
         return cls(
-            validate_fn=KeywordValidateFn(fn),
+            validate_fn=KeywordValidateFn(fn, _retry_on(remote), max_retries),
             fn_kwargs=_fn_kwargs(task_config, "ValidationConfig(task_config=...)"),
             timeout_s=getattr(task_config, "timeout_s", None),
             resources=resources or {"num_cpus": 1},  # Ray's default for a task
-            max_attempts=_max_attempts(remote),
+            max_attempts=max_retries + 1,
         )
 
     def report_options(self, validation: Any) -> dict[str, Any]:
@@ -115,18 +150,33 @@ def _fn_kwargs(task_config: Any, what: str) -> dict[str, Any]:
     return dict(fn_kwargs)
 
 
-def _max_attempts(remote: dict[str, Any]) -> int:
-    """Ray runs a task again after an exception of the fn only with ``retry_exceptions``
-    (then up to ``max_retries`` times); ckval counts every failed attempt alike."""
-    if not remote.get("retry_exceptions"):
-        return 1
+def _max_retries(remote: dict[str, Any]) -> int:
+    """Ray's ``max_retries`` of a task (default 3); ckval has no endless retries."""
     retries = remote.get("max_retries", RAY_DEFAULT_MAX_RETRIES)
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise InvalidInput(
             "ValidationConfig(ray_remote_kwargs={'max_retries': ...}) must be an int >= 0 "
             f"for ckval (it has no endless retries), got {retries!r}."
         )
-    return retries + 1
+    return retries
+
+
+def _retry_on(remote: dict[str, Any]) -> tuple[type[BaseException], ...]:
+    """The exceptions of the fn that run it again: Ray's ``retry_exceptions``, False (none,
+    the default), True (any) or a list of exception classes."""
+    given = remote.get("retry_exceptions", False)
+    if given is False:
+        return ()
+    if given is True:
+        return (Exception,)
+    if isinstance(given, (list, tuple)) and all(
+        isinstance(kind, type) and issubclass(kind, BaseException) for kind in given
+    ):
+        return tuple(given)
+    raise InvalidInput(
+        "ValidationConfig(ray_remote_kwargs={'retry_exceptions': ...}) must be True, False "
+        f"or a list of exception classes such as [ConnectionError], got {given!r}."
+    )
 
 
 # The validation of the trainer whose train function runs in this process (a Ray Train

@@ -235,6 +235,27 @@ class PermanentValidationError(CkvalError):
     """Raise this from a validate_fn to fail the job at once, without retries."""
 
 
+def not_to_be_retried(exc: BaseException) -> BaseException:
+    """Marks a validate_fn's own exception to fail its job at once, keeping its type and
+    message in the job's record (Ray's ``retry_exceptions=[...]`` rule: the others end the
+    task). An exception that takes no attribute is wrapped instead."""
+    try:
+        setattr(exc, NOT_RETRIED, True)
+    except AttributeError:
+        wrapped = PermanentValidationError(f"{type(exc).__name__}: {exc}")
+        wrapped.__cause__ = exc
+        return wrapped
+    return exc
+
+
+def is_not_to_be_retried(exc: BaseException) -> bool:
+    return isinstance(exc, PermanentValidationError) or getattr(exc, NOT_RETRIED, False) is True
+
+
+# The attribute not_to_be_retried sets on an exception.
+NOT_RETRIED = "_ckval_not_retried"
+
+
 class ValidationTimedOut(PermanentValidationError):
     """A validator's own time limit ran out (a CommandValidator's program was killed):
     the job ends TIMED_OUT, or runs again if it was queued with retry_on_timeout."""

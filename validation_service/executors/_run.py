@@ -17,6 +17,7 @@ from validation_service.errors import (
     PayloadSignatureError,
     PermanentValidationError,
     ValidationTimedOut,
+    is_not_to_be_retried,
 )
 from validation_service.metrics import normalize_metrics
 from validation_service.registry.records import ClaimedJob
@@ -82,7 +83,7 @@ def run_attempt(
             "error_type": type(exc).__name__,
             "error_message": storable_text(capped_text(str(exc) or repr(exc))),
             "error_traceback": storable_text(capped_text(traceback.format_exc())),
-            "retryable": not isinstance(exc, _PERMANENT),
+            "retryable": not (isinstance(exc, _PERMANENT) or is_not_to_be_retried(exc)),
             "timed_out": isinstance(exc, ValidationTimedOut),
             "started_at": started_at,
             "finished_at": dt.datetime.now(dt.timezone.utc),
