@@ -18,9 +18,10 @@ be read (Ray: when its validation function returns; ckval: when the registry hol
 Each measurement on a "fresh" Ray is its own process (``ray.init()``, no ckval service:
 ckval's set-up starts it); "warm" is a second run of the same way in that process.
 
-``--part resume``: one worker fails once after its report of epoch 2
-(``FailureConfig(max_failures=1)``); the time from the failure to the restarted workers'
-first line, and the epoch they resume at, for Ray's own report and ckval's.
+``--part resume``: one worker fails once, at once after its report of an epoch
+(``--fail-at``, ``FailureConfig(max_failures=1)``); the time from the failure to the
+restarted workers' first line, and the epoch they resume at, for Ray's own report and
+ckval's.
 
     .venv/bin/python benchmarks/bench_fresh_cluster.py --repeats 3 --out /tmp/fresh.md
     .venv/bin/python benchmarks/bench_fresh_cluster.py --smoke
@@ -64,6 +65,7 @@ def train_func(config):
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             start = torch.load(os.path.join(directory, "model.pt"))["epoch"] + 1
+    if os.path.exists(os.path.join(marks, "failed")):  # a restart: at epoch 0 without one
         with open(os.path.join(marks, f"resumed-{rank}"), "w") as f:
             json.dump({"at": time.time(), "epoch": start}, f)
     times = []
@@ -180,13 +182,13 @@ def measure_once(way: str, epochs: int, epoch_s: float) -> dict:
     return out
 
 
-def resume_once(way: str, epochs: int, epoch_s: float) -> dict:
+def resume_once(way: str, epochs: int, epoch_s: float, fail_at: int = 2) -> dict:
     import ray
 
     fresh_ckval_home("ckval-bench-resume-")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     marks = tempfile.mkdtemp(prefix="bench-resume-marks-")
-    fit(way, marks, epochs, epoch_s, fail_at=2)
+    fit(way, marks, epochs, epoch_s, fail_at=fail_at)
     ray.shutdown()
     with open(os.path.join(marks, "failed")) as f:
         failed = float(f.read())
@@ -200,8 +202,9 @@ def resume_once(way: str, epochs: int, epoch_s: float) -> dict:
     }
 
 
-def run_in_process(part: str, way: str, epochs: int, epoch_s: float) -> dict:
+def run_in_process(part: str, way: str, epochs: int, epoch_s: float, fail_at: int = 2) -> dict:
     command = [sys.executable, __file__, "--one", part, way, str(epochs), str(epoch_s)]
+    command.append(str(fail_at))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "CKVAL_HOME")}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -237,18 +240,20 @@ def _median(runs: list[dict], cluster: str, key: str) -> str:
     return f"{statistics.median(values):.{digits}f}" if values else "-"
 
 
-def resume_table(results: dict) -> list[str]:
+def resume_table(results: dict, epoch_s: float) -> list[str]:
     lines = [
         "",
-        "A worker fails 0 s after its report of epoch 2 (FailureConfig(max_failures=1)):",
+        f"A worker fails 0 s after its report of an epoch ({epoch_s} s epochs, "
+        "FailureConfig(max_failures=1)); the time from the failure until both restarted "
+        "workers began, and the epoch they resumed at (0: from the start):",
         "",
-        "| way | restart to resumed training s (median) | resumed at epoch |",
-        "|---|---:|---|",
+        "| failure after epoch | way | restart until resumed s (median) | resumed at epoch |",
+        "|---:|---|---:|---|",
     ]
-    for way, runs in results.items():
+    for (fail_at, way), runs in results.items():
         restart = statistics.median(r["restart_s"] for r in runs)
-        epochs = sorted({r["resumed_at_epoch"] for r in runs})
-        lines.append(f"| {way} | {restart:.1f} | {', '.join(map(str, epochs))} |")
+        epochs = ", ".join(str(r["resumed_at_epoch"]) for r in runs)
+        lines.append(f"| {fail_at} | {way} | {restart:.1f} | {epochs} |")
     return lines
 
 
@@ -260,13 +265,22 @@ def main() -> int:
     parser.add_argument("--part", choices=("overhead", "resume", "all"), default="all")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--fail-at",
+        type=int,
+        nargs="+",
+        default=[2, 8],
+        help="the epochs after whose report a worker fails (--part resume), one run each",
+    )
+    parser.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        part, way, epochs, epoch_s = args.one
+        part, way, epochs, epoch_s, fail_at = args.one
         pickle_by_value(__name__)
-        once = measure_once if part == "overhead" else resume_once
-        print(json.dumps(once(way, int(epochs), float(epoch_s))))
+        if part == "overhead":
+            print(json.dumps(measure_once(way, int(epochs), float(epoch_s))))
+        else:
+            print(json.dumps(resume_once(way, int(epochs), float(epoch_s), int(fail_at))))
         return 0
     if args.smoke:
         args.repeats, args.epochs, args.epoch_s = 1, 4, 0.2
@@ -276,14 +290,19 @@ def main() -> int:
         results: dict[str, list] = {way: [] for way in WAYS}
         for _ in range(args.repeats):
             for way in WAYS:  # rotated per repeat: each sees the machine alike
-                results[way].append(run_in_process("overhead", way, args.epochs, args.epoch_s))
+                once = run_in_process("overhead", way, args.epochs, args.epoch_s)
+                results[way].append(once)
+                print(f"overhead, {way}: {once}", file=sys.stderr)
         lines += table(results, args.repeats, args.epoch_s)
     if args.part in ("resume", "all"):
-        resumed = {way: [] for way in ("ray", "ckval")}
+        resumed = {(fail_at, way): [] for fail_at in args.fail_at for way in ("ray", "ckval")}
         for _ in range(args.repeats):
-            for way in resumed:
-                resumed[way].append(run_in_process("resume", way, max(args.epochs, 5), 0.2))
-        lines += resume_table(resumed)
+            for fail_at, way in resumed:
+                epochs = max(args.epochs, fail_at + 3)
+                once = run_in_process("resume", way, epochs, args.epoch_s, fail_at)
+                resumed[fail_at, way].append(once)
+                print(f"resume, failure after epoch {fail_at}, {way}: {once}", file=sys.stderr)
+        lines += resume_table(resumed, args.epoch_s)
     header = run_description(load_before)
     text = "\n".join([*(f"- {k}: {v}" for k, v in header.items()), "", *lines])
     print(text)

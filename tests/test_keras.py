@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import zipfile
 from pathlib import Path
 
@@ -207,6 +209,116 @@ def test_tensorflow_trainer_callback_validates_every_checkpoint_then_resume_by_h
     for record in new_records:
         assert record.metrics["val_mse"] == pytest.approx(independent_mse(record.uri), 1e-5)
     assert new_records[-1].metrics["val_mse"] < expected[epochs - 1]
+
+
+KERAS_EPOCHS = 4
+KERAS_FAIL_AFTER_EPOCH = 1
+
+
+def train_keras_guide_resuming(config):
+    """Ray's Keras resume as its guides write it: in the strategy's scope, the model from
+    ``ray.train.get_checkpoint()``'s ``model.keras``, else a new one; ``model.save`` into a
+    temporary folder and ``report`` each epoch. Rank 1 fails once, 2 s after its report of
+    epoch 1 (``FailureConfig(max_failures=1)`` restarts the group)."""
+    import json
+
+    import ray.train
+    import tensorflow as tf
+    from ray import train
+    from ray.train import Checkpoint
+
+    tf.keras.utils.set_random_seed(0)
+    context = train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    marks, start = config["marks"], 0
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        checkpoint = train.get_checkpoint()
+        if checkpoint:
+            with checkpoint.as_directory() as checkpoint_dir:
+                model = tf.keras.models.load_model(os.path.join(checkpoint_dir, "model.keras"))
+                with open(os.path.join(checkpoint_dir, "epoch.json")) as f:
+                    start = json.load(f)["epoch"] + 1
+            with open(os.path.join(marks, f"resumed-{rank}.json"), "w") as f:
+                json.dump({"start": start}, f)
+        else:
+            model = build_model(tf)
+    x = np.arange(200, dtype=np.float32)[rank::world] / 200
+    dataset = tf.data.Dataset.from_tensor_slices((x.reshape(-1, 1), line(x).reshape(-1, 1)))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    dataset = dataset.batch(16).with_options(options)
+    for epoch in range(start, KERAS_EPOCHS):
+        history = model.fit(dataset, verbose=0)
+        metrics = {"epoch": epoch, "loss": history.history["loss"][-1]}
+        with tempfile.TemporaryDirectory() as temp_checkpoint_dir:
+            model.save(os.path.join(temp_checkpoint_dir, "model.keras"))
+            with open(os.path.join(temp_checkpoint_dir, "epoch.json"), "w") as f:
+                json.dump({"epoch": epoch}, f)
+            checkpoint = Checkpoint.from_directory(temp_checkpoint_dir) if rank == 0 else None
+            if config["how"] == "ray":
+                ray.train.report(metrics, checkpoint=checkpoint)
+            else:
+                report(metrics, checkpoint, validate_fn=validate_on_held_out)
+        failed = os.path.join(marks, "failed")
+        if rank == 1 and epoch == KERAS_FAIL_AFTER_EPOCH and not os.path.exists(failed):
+            time.sleep(2)
+            open(failed, "w").close()
+            raise RuntimeError("a worker fails once")
+    if rank == 0:
+        np.save(
+            os.path.join(marks, "final.npy"),
+            np.concatenate([w.ravel() for w in model.get_weights()]),
+        )
+
+
+def fit_keras_guide_resuming(how: str, run_name: str, session_home, marks: str):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.tensorflow import TensorflowTrainer
+
+    result = TensorflowTrainer(
+        train_keras_guide_resuming,
+        train_loop_config={"how": how, "marks": marks},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=str(session_home / "ray_results"),
+            failure_config=FailureConfig(max_failures=1),
+        ),
+    ).fit()
+    assert result.error is None
+    starts = {}
+    for rank in (0, 1):
+        with open(os.path.join(marks, f"resumed-{rank}.json")) as f:
+            starts[rank] = json.load(f)["start"]
+    return result, starts, np.load(os.path.join(marks, "final.npy"))
+
+
+def test_the_keras_guides_resume_after_a_worker_failure_is_the_same_as_with_rays_report(
+    service, session_home, unique_run, tmp_path
+):
+    """The guide's program under FailureConfig, with Ray's report and with ckval's: the
+    restarted workers load model.keras from get_checkpoint() at the same epoch, and the
+    run ends with the same weights; ckval validated every epoch's model."""
+    ray_marks, ckval_marks = tmp_path / "ray", tmp_path / "ckval"
+    ray_marks.mkdir(), ckval_marks.mkdir()
+    _, ray_starts, ray_final = fit_keras_guide_resuming(
+        "ray", f"{unique_run}-ray", session_home, str(ray_marks)
+    )
+    result, starts, final = fit_keras_guide_resuming(
+        "ckval", unique_run, session_home, str(ckval_marks)
+    )
+    assert ray_starts == {0: KERAS_FAIL_AFTER_EPOCH + 1, 1: KERAS_FAIL_AFTER_EPOCH + 1}
+    assert starts == ray_starts
+    np.testing.assert_allclose(final, ray_final, rtol=1e-5, atol=1e-6)
+
+    registry = Registry()
+    registry.wait(unique_run, timeout_s=180)
+    records = registry.checkpoints(unique_run)
+    assert [r.reported_metrics["epoch"] for r in records] == list(range(KERAS_EPOCHS))
+    assert all(r.validation_status == "VALIDATED" for r in records), records
+    assert records[-1].metrics["val_mse"] == pytest.approx(independent_mse(records[-1].uri), 1e-5)
+    assert resolve_checkpoint(result.checkpoint).path == records[-1].uri
 
 
 class SquaredErrorPredictor:
