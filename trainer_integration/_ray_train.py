@@ -20,7 +20,7 @@ import os
 import threading
 
 from trainer_integration import _agreement
-from trainer_integration._delivery import StoredReport
+from trainer_integration._delivery import StoredReport, with_backoff
 from trainer_integration._parts import ShardReporter, report_call
 from trainer_integration._request import CheckpointUploadMode, PreparedReport
 
@@ -84,7 +84,7 @@ def _report_in_group(context, reporter_of, prepared: PreparedReport, checkpoint)
         raise
 
     def outcome() -> Pointer | None:
-        agreed()  # after Ray Train's rank sync: every rank has said where it reports
+        agreed()  # once every rank has said where it reports
         sealed = part.sealed.result()
         if sealed is None:
             return None  # another rank sealed it and tells Ray Train
@@ -95,8 +95,11 @@ def _report_in_group(context, reporter_of, prepared: PreparedReport, checkpoint)
 
 def _note_where_this_rank_reports(reporter, call):
     """At a rank's first report in its worker group: writes where it reports beside Ray
-    Train's run (``_agreement.py``); returns the check its report makes once Ray Train's
-    rank sync passed (nothing to check at later reports, or in Ray Train's local mode)."""
+    Train's run (``_agreement.py``), on the reporter's thread, since it needs the registry
+    open (a new worker process opens it while training starts: never wait for it on the
+    training thread). Returns the check its report makes before Ray Train is told of it,
+    off the training thread in ASYNC mode (nothing to check at later reports, or in Ray
+    Train's local mode)."""
     import ray.train
 
     if call.call != 1:
@@ -105,8 +108,26 @@ def _note_where_this_rank_reports(reporter, call):
         storage = ray.train.get_context().get_storage()
     except NotImplementedError:  # local mode: no storage of Ray Train's to meet in
         return lambda: None
-    _agreement.note(storage, call.worker_group, reporter, call.rank)
-    return lambda: _agreement.check(storage, call.worker_group, call.rank)
+
+    def note() -> None:
+        with_backoff(  # an unreachable registry is waited for, as for the report itself
+            lambda: _agreement.note(storage, call.worker_group, reporter, call.rank),
+            timeout_s=reporter.settings.delivery_timeout_s,
+        )
+
+    noted = reporter.submit("reserve", note)
+
+    def check() -> None:
+        noted.result()
+        _agreement.check(
+            storage,
+            call.worker_group,
+            call.rank,
+            world_size=call.world_size,
+            timeout_s=reporter.settings.delivery_timeout_s,
+        )
+
+    return check
 
 
 def keep_as_ray_would(reporter) -> None:

@@ -46,7 +46,7 @@ from validation_service.registry.models import (
     Run,
     utcnow,
 )
-from validation_service.registry.records import Registration
+from validation_service.registry.records import Registration, ReportCall
 from validation_service.registry.retention import used_folders
 
 _OPEN = (AssemblyStatus.ASSEMBLING.value, AssemblyStatus.SEALING.value)
@@ -62,21 +62,6 @@ class Slot(NamedTuple):
     report_index: int
     uri: str
     assembly_id: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ReportCall:
-    """One report() call of one rank of a worker group."""
-
-    worker_group: str  # the same on every rank of the group, new for a restarted group
-    call: int  # 1 for the rank's first report() call in this group
-    rank: int
-    world_size: int
-
-    @property
-    def group_key(self) -> str:
-        """The key of this call's assembly: the same on every rank."""
-        return f"{self.worker_group}-{self.call}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -390,3 +390,19 @@ def costs_by_run(rows: Any) -> dict[int, ValidationCost]:
 
 def _cost_order(line: CostLine) -> tuple[str, str, str]:
     return (line.validator, line.pool, line.accelerator_type or "")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportCall:
+    """One report() call of one rank of a worker group (made on the training thread, so
+    a plain record: registry/assemblies.py keeps the rows of its assembly)."""
+
+    worker_group: str  # the same on every rank of the group, new for a restarted group
+    call: int  # 1 for the rank's first report() call in this group
+    rank: int
+    world_size: int
+
+    @property
+    def group_key(self) -> str:
+        """The key of this call's assembly: the same on every rank."""
+        return f"{self.worker_group}-{self.call}"
