@@ -43,7 +43,9 @@ _calls_lock = threading.Lock()
 def report_call(context):
     """This rank's next report() call in its worker group (a ReportCall): the same key on
     every rank of the group for the same call, found without a collective."""
-    ReportCall = import_once("validation_service.registry.records").ReportCall
+    # A plain record (no SQLAlchemy): imported without import_once's lock, which a
+    # reporter thread may hold while it imports the registry.
+    from validation_service.registry.records import ReportCall
 
     rank, world_size = context.get_world_rank(), context.get_world_size()
     group = worker_group(context)

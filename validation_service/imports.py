@@ -11,6 +11,7 @@ a training process goes through ``import_once``, under one lock.
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 from types import ModuleType
 
@@ -18,6 +19,19 @@ _lock = threading.RLock()
 
 
 def import_once(name: str) -> ModuleType:
-    """``importlib.import_module(name)``, with no other thread importing through here."""
+    """``importlib.import_module(name)``, with no other thread importing through here.
+
+    A module already made is returned at once, without the lock: the training thread
+    never waits behind a reporter thread that is importing something else (the
+    registry, on a new worker process, for a second or more)."""
+    module = sys.modules.get(name)
+    if module is not None and not _initializing(module):
+        return module
     with _lock:
         return importlib.import_module(name)
+
+
+def _initializing(module: ModuleType) -> bool:
+    """Whether the module's code is still running (another thread is importing it):
+    importlib's own mark on the module's spec."""
+    return getattr(getattr(module, "__spec__", None), "_initializing", False) is True
