@@ -211,7 +211,13 @@ def assert_validated_once(registry: Registry, runs: list[str]) -> dict:
     jobs = {}
     for run in runs:
         validations = registry.validations(run)
-        assert Counter(job.status for job in validations) == {"SUCCEEDED": REPORTS_PER_RUN}
+        others = [
+            (job.id, job.status, job.attempts, job.error_type, job.error_message)
+            for job in validations
+            if job.status != "SUCCEEDED"
+        ]
+        statuses = Counter(job.status for job in validations)
+        assert statuses == {"SUCCEEDED": REPORTS_PER_RUN}, others
         for job in validations:
             succeeded = [a for a in job.attempt_history if a.status == "SUCCEEDED"]
             assert len(succeeded) == 1, (job.id, job.attempt_history)
