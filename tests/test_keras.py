@@ -108,6 +108,15 @@ def train_with_callback(config):
         model.fit(dataset, callbacks=[callback], verbose=0)
 
 
+def rank_dataset(tf, rank: int, world: int):
+    """This rank's share of the line's 200 points, in batches of 16, sharded by hand."""
+    x = np.arange(200, dtype=np.float32)[rank::world] / 200
+    dataset = tf.data.Dataset.from_tensor_slices((x.reshape(-1, 1), line(x).reshape(-1, 1)))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return dataset.batch(16).with_options(options)
+
+
 def train_by_hand_resuming(config):
     """The guide's manual pattern: model.save on every rank, report() with a validate_fn."""
     import ray.train
@@ -120,11 +129,7 @@ def train_by_hand_resuming(config):
         # Ray Train 2.60 refuses resume_from_checkpoint: the checkpoint comes in the config.
         model = ckval_keras.load_model(config["resume_from"])
     start_mse = held_out_mse(model)
-    x = np.arange(200, dtype=np.float32)[rank::world] / 200
-    dataset = tf.data.Dataset.from_tensor_slices((x.reshape(-1, 1), line(x).reshape(-1, 1)))
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    dataset = dataset.batch(16).with_options(options)
+    dataset = rank_dataset(tf, rank, world)
     for epoch in range(config["epochs"]):
         history = model.fit(dataset, verbose=0)
         metrics = {"epoch": epoch, "loss": history.history["loss"][-1], "start_mse": start_mse}
@@ -243,11 +248,7 @@ def train_keras_guide_resuming(config):
                 json.dump({"start": start}, f)
         else:
             model = build_model(tf)
-    x = np.arange(200, dtype=np.float32)[rank::world] / 200
-    dataset = tf.data.Dataset.from_tensor_slices((x.reshape(-1, 1), line(x).reshape(-1, 1)))
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    dataset = dataset.batch(16).with_options(options)
+    dataset = rank_dataset(tf, rank, world)
     for epoch in range(start, KERAS_EPOCHS):
         history = model.fit(dataset, verbose=0)
         metrics = {"epoch": epoch, "loss": history.history["loss"][-1]}

@@ -72,9 +72,7 @@ def note(storage, worker_group: str, reporter, rank: int) -> None:
     filesystem.move(partial, f"{folder}/rank-{rank}.json")
 
 
-def check(
-    storage, worker_group: str, rank: int, *, world_size: int = 0, timeout_s: float = 0.0
-) -> None:
+def check(storage, worker_group: str, rank: int, *, world_size: int, timeout_s: float) -> None:
     """Raises InvalidInput when a rank of the worker group reports into another registry
     or storage than this rank does (naming both). Waits up to ``timeout_s`` for all
     ``world_size`` ranks to have written; ranks that wrote nothing by then are skipped."""
