@@ -48,10 +48,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--folders", type=int, default=10_000)
     parser.add_argument("--s3-folders", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--smoke", action="store_true", help="3 samples, 50 folders")
+    parser.add_argument("--smoke", action="store_true", help="2 samples, 50 folders")
     args = parser.parse_args()
     if args.smoke:
-        args.samples, args.folders, args.s3_folders, args.repeats = 3, 50, 50, 2
+        args.samples, args.folders, args.s3_folders, args.repeats = 2, 50, 50, 2
     return args
 
 

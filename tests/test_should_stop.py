@@ -234,21 +234,19 @@ def assert_stopped_together(out, deciding_index: int) -> int:
     return stopped_at
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def backend(request, service):
-    """The registry a Ray Train run reports to and the workers' environment for it: the
-    session's service (SQLite), or a service of its own on PostgreSQL."""
-    if request.param == "sqlite":
-        yield Registry(), None
-        return
+@pytest.fixture
+def postgres_service(service, postgres_server_url):
+    """A service of its own on PostgreSQL, and the workers' environment for it (the
+    session's service, on SQLite, serves the threshold and failing runs below)."""
     from validation_service.config import ckval_env, get_settings
     from validation_service.service import ValidationService
 
-    url = request.getfixturevalue("postgres_server_url")
     name = f"ckval-pg-{uuid.uuid4().hex[:6]}"
-    registry = Registry(url, upgrade=True)
-    handle = ValidationService.start(settings=get_settings(database_url=url, service_name=name))
-    env = {**ckval_env(), "CKVAL_DATABASE_URL": url, "CKVAL_SERVICE_NAME": name}
+    registry = Registry(postgres_server_url, upgrade=True)
+    handle = ValidationService.start(
+        settings=get_settings(database_url=postgres_server_url, service_name=name)
+    )
+    env = {**ckval_env(), "CKVAL_DATABASE_URL": postgres_server_url, "CKVAL_SERVICE_NAME": name}
     try:
         yield registry, env
     finally:
@@ -257,8 +255,11 @@ def backend(request, service):
 
 
 @pytest.mark.ray
-def test_torch_trainer_stops_on_patience_on_every_rank(backend, session_home, unique_run, tmp_path):
-    registry, env = backend
+@pytest.mark.postgres
+def test_torch_trainer_stops_on_patience_on_every_rank(
+    postgres_service, session_home, unique_run, tmp_path
+):
+    registry, env = postgres_service
     registry.set_stop_policy(unique_run, StopPolicy("score", patience=PATIENCE))
     fit_torch(unique_run, session_home, tmp_path, env=env, validate_fn=plateau_score)
 

@@ -1,6 +1,6 @@
 """A training process for the chaos tests: reports N checkpoints, then exits or dies.
 
-    python tests/chaos/reporter_process.py RUN N [--hold-s S] [--die]
+    python tests/chaos/reporter_process.py RUN N [--hold-s S] [--max-attempts A] [--die]
 
 It connects to the Ray cluster in CKVAL_RAY_ADDRESS and uses the CKVAL_* settings it
 inherits. With --die it kills itself with SIGKILL right after its last report returns.
@@ -34,6 +34,7 @@ def main():
     parser.add_argument("count", type=int)
     parser.add_argument("--hold-s", type=float, default=0.0)
     parser.add_argument("--log", default=os.devnull)
+    parser.add_argument("--max-attempts", type=int, default=None)
     parser.add_argument("--die", action="store_true")
     args = parser.parse_args()
     client = Client(args.run)
@@ -48,6 +49,7 @@ def main():
                 Checkpoint.from_directory(directory),
                 validate_fn=validate,
                 validate_config={"hold_s": args.hold_s, "log": args.log, "run": args.run},
+                **({"max_attempts": args.max_attempts} if args.max_attempts else {}),
             )
             print(f"acknowledged {step}", flush=True)
     if args.die:

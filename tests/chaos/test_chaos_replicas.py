@@ -114,12 +114,16 @@ def terminate_backends(url: str) -> int:
 
 # ------------------------------------------------------ replicas killed in turn
 RUNS = 4
-REPORTS_PER_RUN = 50
+REPORTS_PER_RUN = 30
 REPLICAS = 3
-HOLD_S = 2.0  # each validation's length: 200 of them outlast three kills
+HOLD_S = 2.0  # each validation's length: 120 of them on 6 slots outlast three kills
 POOL_SIZE = 6
-KILL_EVERY_S = 20.0
-POSTGRES_KILLS_AT_S = (10.0, 30.0)
+KILL_EVERY_S = 12.0
+POSTGRES_KILLS_AT_S = (6.0, 18.0)
+# Each kill costs the attempts its replica held; under load an attempt may wait long
+# enough to be held at two or three kills in a row. The retry budget is not what this
+# test judges (test_chaos.py does): loss and duplication are.
+MAX_ATTEMPTS = 8
 
 
 @dataclasses.dataclass
@@ -212,7 +216,7 @@ def assert_validated_once(registry: Registry, runs: list[str]) -> dict:
     for run in runs:
         validations = registry.validations(run)
         others = [
-            (job.id, job.status, job.attempts, job.error_type, job.error_message)
+            (job.id, job.status, job.error_type, job.error_message, job.attempt_history)
             for job in validations
             if job.status != "SUCCEEDED"
         ]
@@ -265,7 +269,7 @@ def test_replicas_killed_in_turn_lose_and_duplicate_nothing(
     reporters = [
         subprocess.Popen(
             [sys.executable, str(REPORTER), run, str(REPORTS_PER_RUN)]
-            + ["--hold-s", str(HOLD_S), "--log", str(log)],
+            + ["--hold-s", str(HOLD_S), "--log", str(log), "--max-attempts", str(MAX_ATTEMPTS)],
             env=env,
             stdout=out,
             stderr=err,
