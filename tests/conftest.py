@@ -21,6 +21,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # waits for such a look, and so does the end of each run. No test measures Ray's timing,
 # so the session's runs (and the scripts it starts) are looked at every 0.1 s.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+# A new local Ray starts a worker process per logical CPU for its first driver (each one
+# importing Ray, about a second of CPU): on 2 cores, a test's own Ray (an example, a
+# benchmark, a cluster of several nodes) would spend its first seconds on workers it may
+# never use. Workers start when a task or an actor needs one.
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 # Every test ends with the cluster idle: a service keeping workers warm would start them
 # again after each one. The test of that feature starts a service of its own.
 os.environ["CKVAL_KEEP_WARM"] = "0"

@@ -72,8 +72,10 @@ def main() -> int:
 
     home = _harness.ckval_home()
     ray_tmpdir = _harness.private_ray_tmpdir()
-    # As a user's program runs: Ray Train's own interval between looks at its workers.
+    # As a user's program runs: Ray Train's own interval between looks at its workers, and
+    # Ray's worker processes started for its first driver.
     os.environ.pop("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", None)
+    os.environ.pop("RAY_prestart_worker_first_driver", None)
     os.environ.pop("CKVAL_KEEP_WARM", None)
     summary: dict = {"scenario": "fresh_early_stop", "home": str(home), "ray_tmpdir": ray_tmpdir}
     run = "fresh-early-stop"
