@@ -44,6 +44,16 @@ def returns_a_huge_accuracy(checkpoint, config):
     return {"accuracy": 1e300}
 
 
+def takes_half_a_second(checkpoint, config):
+    time.sleep(0.5)
+    return {"accuracy": 0.5}
+
+
+def fails_after_half_a_second(checkpoint, config):
+    time.sleep(0.5)
+    raise ConnectionError("the validation data went away")
+
+
 def blocks(checkpoint, config):
     RELEASE.wait(30)
     return {"accuracy": 0.0}
@@ -198,6 +208,26 @@ def test_an_attempt_past_its_timeout_is_cancelled_and_recorded(registry, executo
     tick_until(scheduler, lambda: statuses(registry) == ["TIMED_OUT"])
     assert executor.cancelled == [job_id]
     assert registry.get_job(job_id).error_type == "TimeoutError"
+    assert scheduler.stats["timed_out"] == 1 and scheduler.in_flight == 0
+
+
+@pytest.mark.parametrize("validate_fn", ["takes_half_a_second", "fails_after_half_a_second"])
+def test_an_attempt_that_outlived_its_timeout_before_the_loop_looked_timed_out(
+    registry, executor, tmp_path, validate_fn
+):
+    # A busy loop sees the attempt's start and its end together: it ran 0.5 s of its
+    # 0.2, so it timed out, whatever it returned or raised.
+    job_id = report(registry, tmp_path, 0, validate_fn, timeout_s=0.2)
+    scheduler = make_scheduler(registry, executor)
+    tick_until(scheduler, lambda: scheduler.in_flight == 1)
+    [future] = [handle.future for _, handle in scheduler._in_flight.values()]
+    future.result(timeout=10)
+    scheduler.tick()
+    job = registry.get_job(job_id)
+    assert job.status == "TIMED_OUT" and job.error_type == "TimeoutError", job
+    assert "timeout_s=0.2" in job.error_message
+    assert job.attempts == 1 and executor.cancelled == []
+    assert "accuracy" not in registry.checkpoints(RUN)[0].metrics
     assert scheduler.stats["timed_out"] == 1 and scheduler.in_flight == 0
 
 

@@ -9,6 +9,7 @@ JobQueue and ReplicaBook (composition.ServiceParts).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -51,6 +52,33 @@ COALESCE_S = 0.005
 KEEP_WARM_S = 2.0
 # The least time between two writes of the replica's row (heartbeat_s may be 0 in tests).
 REPLICA_BEAT_MIN_S = 1.0
+
+
+def past_its_timeout(job: ClaimedJob, outcome: JobOutcome) -> JobOutcome:
+    """The outcome of an attempt that ran longer than its timeout_s is a timeout, as it
+    is when the loop cancels the attempt in time: a busy loop may see a task's start and
+    its end together, and what the job records must not depend on when the loop looked
+    (Ray Train too cancels what is past its deadline before it collects results)."""
+    if (
+        job.timeout_s is None
+        or outcome.timed_out
+        or None in (outcome.started_at, outcome.finished_at)
+    ):
+        return outcome
+    ran_s = (outcome.finished_at - outcome.started_at).total_seconds()
+    if ran_s <= job.timeout_s:
+        return outcome
+    return dataclasses.replace(
+        outcome,
+        succeeded=False,
+        metrics=None,
+        error_type="TimeoutError",
+        error_message=f"validation ran longer than timeout_s={job.timeout_s:g} "
+        f"({ran_s:.1f} s); it ended before its Ray task could be cancelled",
+        error_traceback=None,
+        retryable=False,
+        timed_out=True,
+    )
 
 
 class Scheduler:
@@ -374,7 +402,10 @@ class Scheduler:
             del self._in_flight[job_id]
             if handle.job.pool == "CPU":
                 self.warmth.saw([outcome.worker_pid])
-            self._finish(handle.job, outcome)
+            judged = past_its_timeout(handle.job, outcome)
+            if judged is not outcome:
+                self.stats["timed_out"] += 1
+            self._finish(handle.job, judged)
 
     def _finish(self, job: ClaimedJob, outcome: JobOutcome) -> None:
         try:
