@@ -68,17 +68,21 @@ def past_its_timeout(job: ClaimedJob, outcome: JobOutcome) -> JobOutcome:
     ran_s = (outcome.finished_at - outcome.started_at).total_seconds()
     if ran_s <= job.timeout_s:
         return outcome
+    ended = f" ({ran_s:.1f} s); it ended before its Ray task could be cancelled"
     return dataclasses.replace(
-        outcome,
-        succeeded=False,
-        metrics=None,
-        error_type="TimeoutError",
-        error_message=f"validation ran longer than timeout_s={job.timeout_s:g} "
-        f"({ran_s:.1f} s); it ended before its Ray task could be cancelled",
-        error_traceback=None,
-        retryable=False,
-        timed_out=True,
+        outcome, metrics=None, error_traceback=None, **_timed_out(job.timeout_s, ended)
     )
+
+
+def _timed_out(timeout_s: float, what_then: str) -> dict:
+    """The JobOutcome fields of an attempt that ran longer than ``timeout_s``."""
+    return {
+        "succeeded": False,
+        "error_type": "TimeoutError",
+        "error_message": f"validation ran longer than timeout_s={timeout_s:g}{what_then}",
+        "retryable": False,
+        "timed_out": True,
+    }
 
 
 class Scheduler:
@@ -440,14 +444,7 @@ class Scheduler:
             del self._in_flight[job_id]
             executor.cancel(handle)
             self.stats["timed_out"] += 1
-            outcome = JobOutcome(
-                succeeded=False,
-                error_type="TimeoutError",
-                error_message=f"validation ran longer than timeout_s={timeout_s:g}; "
-                "its Ray task was cancelled",
-                retryable=False,
-                timed_out=True,
-            )
+            outcome = JobOutcome(**_timed_out(timeout_s, "; its Ray task was cancelled"))
             self._finish(handle.job, with_usage(executor, handle, outcome))
 
     def _watch_resource_waits(self) -> None:
