@@ -666,15 +666,19 @@ def iter_queue(lines: queue.Queue):
             return
 
 
-def test_jobs_watch_ctrl_c_exits_zero(populated, tmp_path):
-    # Pointed at an address where no Ray answers: the watch finds no service, at once.
+def _watch_env_without_ray(tmp_path) -> dict[str, str]:
+    """An address where no Ray answers: the watch finds no service, at once."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(CKVAL_RAY_ADDRESS=f"127.0.0.1:{port}", RAY_TMPDIR=str(tmp_path / "ray-tmp"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc, lines = _start_watch([], env, populated)
+    return env
+
+
+def test_jobs_watch_ctrl_c_exits_zero(populated, tmp_path):
+    proc, lines = _start_watch([], _watch_env_without_ray(tmp_path), populated)
     try:
         _wait_for_line(lines, r"\bQUEUED\b")
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
@@ -683,6 +687,39 @@ def test_jobs_watch_ctrl_c_exits_zero(populated, tmp_path):
         proc.kill()
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+
+
+# Ctrl-C made to land inside exec() of a string, as it can while the watch imports Ray
+# (dataclasses and namedtuple build their methods with exec and eval): CPython marks
+# that KeyboardInterrupt unhandled even once the watch caught it, and `python -m` ended
+# the process by SIGINT (one Ctrl-C in twelve, in a wait between 20 and 80 ms).
+CTRL_C_INSIDE_EXEC = """\
+import sys
+
+class _CtrlCWhileRayImports:
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray":
+            sys.meta_path.remove(self)
+            exec("import os, signal\\nos.kill(os.getpid(), signal.SIGINT)\\nwhile True: pass")
+        return None
+
+sys.meta_path.insert(0, _CtrlCWhileRayImports())
+"""
+
+
+def test_jobs_watch_ctrl_c_inside_an_exec_while_ray_imports_exits_zero(populated, tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(CTRL_C_INSIDE_EXEC)
+    env = _watch_env_without_ray(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env["PYTHONPATH"]])
+    proc, lines = _start_watch([], env, populated)
+    try:
+        err = _finish_watch(proc)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert "QUEUED" in "".join(iter_queue(lines))  # the table came first, then Ctrl-C
 
 
 # ----------------------------------------------------------- the service, on Ray
