@@ -4,7 +4,8 @@ were: each case is the same program run with Ray's own report and with ckval's.
 - A worker fails once after its report of epoch 2 (FailureConfig(max_failures=1)): the
   restarted workers resume through ``ray.train.get_checkpoint()`` at the same epoch as
   Ray's own run, from the model files (not ckval's pointer), and end with the same
-  weights; SYNC and ASYNC, ckval's ``validate_fn`` form and the drop-in's ``validation=``.
+  weights; SYNC and ASYNC, ckval's ``validate_fn`` form and the drop-in's ``validation=``,
+  and ckval imported by the worker before its train context (the config carries it).
 - Every rank reports its own folder, then calls ``ray.train.collective.barrier()`` and
   ``broadcast_from_rank_zero``: every rank gets rank 0's value at every step.
 - One rank's folder is missing at one step: its report() raises, the run goes on, and that
@@ -102,6 +103,7 @@ def _report(config, metrics, checkpoint) -> None:
         return
     from trainer_integration import report
 
+    report = config.get("report", report)
     if config["how"] == "dropin":
         report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=mode, validation=True)
     else:
@@ -113,16 +115,23 @@ def fit_resumable(how: str, mode: str, run: str, storage: str, marks: str):
     import ray.train
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
-    kwargs = {}
+    kwargs, config = {}, {"how": how, "mode": mode, "marks": marks}
     if how == "dropin":
         from trainer_integration import TorchTrainer
 
         kwargs["validation_config"] = ray.train.ValidationConfig(model_accuracy)
     else:
         from ray.train.torch import TorchTrainer
+    if how == "ckval-in-config":
+        # The config carries ckval (its report, as a user's helpers or callbacks would):
+        # a worker imports trainer_integration as it unpickles the config, before Ray
+        # Train gives it its train context.
+        import trainer_integration
+
+        config.update(how="ckval", report=trainer_integration.report)
     return TorchTrainer(
         train_resumable,
-        train_loop_config={"how": how, "mode": mode, "marks": marks},
+        train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(
             name=run, storage_path=storage, failure_config=FailureConfig(max_failures=1)
@@ -153,7 +162,13 @@ def rays_own_runs(ray_session, session_home, tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("how", "mode"),
-    [("ckval", "SYNC"), ("ckval", "ASYNC"), ("dropin", "SYNC"), ("dropin", "ASYNC")],
+    [
+        ("ckval", "SYNC"),
+        ("ckval", "ASYNC"),
+        ("ckval-in-config", "ASYNC"),
+        ("dropin", "SYNC"),
+        ("dropin", "ASYNC"),
+    ],
 )
 def test_a_restarted_worker_resumes_where_rays_own_run_resumes_from_the_model_files(
     service, rays_own_runs, session_home, tmp_path, unique_run, how, mode

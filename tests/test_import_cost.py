@@ -52,5 +52,8 @@ def test_importing_trainer_integration_after_ray_train_and_torch_loads_no_heavy_
     )
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
     assert "trainer_integration" in loaded
+    # What a rank's first report() uses on the training thread is there already, light:
+    # it never waits for the import lock while a reporter thread imports the registry.
+    assert "validation_service.parts" in loaded
     heavy = [name for name in loaded if any(name == h or name.startswith(h + ".") for h in HEAVY)]
     assert heavy == [], f"import trainer_integration loaded {heavy}"

@@ -28,6 +28,7 @@ from trainer_integration._delivery import with_backoff
 from trainer_integration._imports import import_once
 from trainer_integration._rank_files import file_rank
 from trainer_integration._request import CheckpointUploadMode, PreparedReport
+from validation_service import parts as parts_module
 from validation_service.errors import CkvalError, InvalidInput
 from validation_service.jobs import AssemblyStatus, PartStatus
 from validation_service.manifest import scan_folder
@@ -249,7 +250,7 @@ class ShardReporter:
         into (named for it, as torch.distributed.checkpoint and DeepSpeed name them);
         the sealer hashes the rest (metadata, configs: perhaps written by every rank)
         once every rank has reported."""
-        hash_own_files = import_once("validation_service.parts").hash_own_files
+        hash_own_files = parts_module.hash_own_files
 
         reporter = self.reporter
 
@@ -261,7 +262,7 @@ class ShardReporter:
         )
 
     def _store_files(self, storage, slot, checkpoint, source, staged):
-        store_part = import_once("validation_service.parts").store_part
+        store_part = parts_module.store_part
 
         target = storage.path_of(slot.uri)
         if source is not None:
@@ -321,7 +322,6 @@ class ShardReporter:
 
     def _seal(self, slot, call, mode, job, metrics) -> Sealed:
         """Makes the parts one checkpoint and registers it with its validation."""
-        parts_module = import_once("validation_service.parts")
         adopt_shared, assemble = parts_module.adopt_shared, parts_module.assemble
 
         reporter = self.reporter
@@ -376,7 +376,7 @@ class ShardReporter:
                 "this rank wrote and can read; this report's checkpoint is left INCOMPLETE "
                 "on every rank."
             ) from None
-        import_once("validation_service.parts").check_part_names(source, self.rank)
+        parts_module.check_part_names(source, self.rank)
         return source
 
 

@@ -144,10 +144,7 @@ class RunReporter:
         was unreachable is opened again by the next caller."""
         from validation_service.errors import RegistryUnavailable
 
-        with self._lock:
-            future = self._opened
-            if future is None:
-                future = self._opened = self._thread("set-up").submit(self._open_writer)
+        future = self._opening()
         try:
             return future.result()
         except RegistryUnavailable:
@@ -155,6 +152,13 @@ class RunReporter:
                 if self._opened is future:
                     self._opened = None
             raise
+
+    def _opening(self) -> Future:
+        """The opening of the writer on the set-up thread, begun by the first caller."""
+        with self._lock:
+            if self._opened is None:
+                self._opened = self._thread("set-up").submit(self._open_writer)
+            return self._opened
 
     def _open_writer(self) -> _Opened:
         composition = import_once("validation_service.registry.composition")
@@ -237,9 +241,12 @@ class RunReporter:
         """
         for name in _THREADS:
             self._thread(name).submit(lambda: None)
-        self._registry_side()
+        self._opening()
+        # The service's start (a new process, seconds on a fresh cluster) does not wait
+        # for the registry to open: the two overlap.
         if with_service and self._link is not None:
             self._link.warm_up()
+        self._registry_side()
 
     # -------------------------------------------------------------- reporting
     def reserve_index(self) -> int:
