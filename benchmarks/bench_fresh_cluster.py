@@ -10,7 +10,10 @@ standing for the training) and, after each, rank 0 saves a small model file. The
   validation=True)`` with ``TorchTrainer(validation_config=ValidationConfig(fn))``, the
   call of Ray's async-validation guide (2.51-2.53: ``validate_fn=fn``);
 - ``ckval``: ``trainer_integration.report(..., validate_fn=fn,
-  checkpoint_upload_mode=ASYNC)`` then ``should_stop()`` on every rank.
+  checkpoint_upload_mode=ASYNC)`` then ``should_stop()`` on every rank, with
+  ``trainer_integration`` imported by the training code as the README's programs import
+  it (so a worker imports it as it unpickles the train function, and ckval's set-up
+  starts with training); Ray's way never imports it.
 
 A way's overhead per epoch is the median epoch wall time less ``--epoch-s``. "first
 validated" runs from the first report() call to the moment the first validated metric can
@@ -43,6 +46,8 @@ from pathlib import Path
 import torch
 from _common import fresh_ckval_home, load_average, pickle_by_value, run_description
 
+import trainer_integration
+
 WAYS = ("loop", "ray", "ckval")
 CLUSTERS = ("fresh", "warm")
 
@@ -73,7 +78,7 @@ def train_func(config):
         began = time.time()
         time.sleep(config["epoch_s"])
         if way != "loop":
-            _report(way, epoch, rank, marks)
+            _report(config["report"], epoch, rank, marks)
         times.append(time.time() - began)
         failed = os.path.join(marks, "failed")
         if config.get("fail_at") == epoch and rank == 1 and not os.path.exists(failed):
@@ -84,7 +89,7 @@ def train_func(config):
         json.dump(times, f)
 
 
-def _report(way: str, epoch: int, rank: int, marks: str) -> None:
+def _report(report, epoch: int, rank: int, marks: str) -> None:
     import ray.train
 
     folder = None
@@ -96,18 +101,38 @@ def _report(way: str, epoch: int, rank: int, marks: str) -> None:
             with open(os.path.join(marks, "first-report"), "w") as f:
                 f.write(str(time.time()))
     checkpoint = ray.train.Checkpoint.from_directory(folder) if folder else None
-    mode = ray.train.CheckpointUploadMode.ASYNC
-    if way == "ray":
-        from validation_service._ray_compat import native_validation
+    report(epoch, checkpoint, marks)
 
-        kwargs = native_validation(validate_fn, {"marks": marks}).report_kwargs if folder else {}
-        ray.train.report({"epoch": epoch}, checkpoint, checkpoint_upload_mode=mode, **kwargs)
-        return
+
+def ray_report(epoch: int, checkpoint, marks: str) -> None:
+    import ray.train
+
+    from validation_service._ray_compat import native_validation
+
+    kwargs = native_validation(validate_fn, {"marks": marks}).report_kwargs if checkpoint else {}
+    mode = ray.train.CheckpointUploadMode.ASYNC
+    ray.train.report({"epoch": epoch}, checkpoint, checkpoint_upload_mode=mode, **kwargs)
+
+
+def ckval_report(epoch: int, checkpoint, marks: str) -> None:
+    import ray.train
+
+    # Imported here: the train loop config that carries this function is unpickled
+    # before the worker's train context exists (see ckval_train_func).
     from trainer_integration import report, should_stop
 
-    fn = validate_fn if folder else None
+    fn = validate_fn if checkpoint else None
+    mode = ray.train.CheckpointUploadMode.ASYNC
     report({"epoch": epoch}, checkpoint, validate_fn=fn, checkpoint_upload_mode=mode)
     should_stop()
+
+
+def ckval_train_func(config):
+    """train_func, in a training script that imported ``trainer_integration``: a worker
+    imports it as it unpickles the function, in its train context (ckval's set-up starts
+    then, with training). The train loop config is unpickled before that context."""
+    assert trainer_integration.report is not None
+    train_func(config)
 
 
 def fit(way: str, marks: str, epochs: int, epoch_s: float, **config) -> str:
@@ -122,12 +147,13 @@ def fit(way: str, marks: str, epochs: int, epoch_s: float, **config) -> str:
         trainer_kwargs = native_validation(validate_fn, {"marks": marks}).trainer_kwargs
     run = f"fresh-{way}-{uuid.uuid4().hex[:6]}"
     TorchTrainer(
-        train_func,
+        ckval_train_func if way == "ckval" else train_func,
         train_loop_config={
             "way": way,
             "marks": marks,
             "epochs": epochs,
             "epoch_s": epoch_s,
+            "report": {"ray": ray_report, "ckval": ckval_report}.get(way),
             **config,
         },
         scaling_config=ScalingConfig(num_workers=2),
