@@ -250,26 +250,22 @@ class ShardReporter:
         into (named for it, as torch.distributed.checkpoint and DeepSpeed name them);
         the sealer hashes the rest (metadata, configs: perhaps written by every rank)
         once every rank has reported."""
-        hash_own_files = parts_module.hash_own_files
-
         reporter = self.reporter
 
         def owns(rel: str) -> bool:
             return file_rank(posixpath.basename(rel)) == self.rank
 
-        return hash_own_files(
+        return parts_module.hash_own_files(
             reporter.storage, location, reporter.settings.namespace, reporter.run, owns
         )
 
     def _store_files(self, storage, slot, checkpoint, source, staged):
-        store_part = parts_module.store_part
-
         target = storage.path_of(slot.uri)
         if source is not None:
-            return store_part(storage, target, self.rank, source, staged)
+            return parts_module.store_part(storage, target, self.rank, source, staged)
         with tempfile.TemporaryDirectory(prefix="ckval-part-") as tmp:
             local = checkpoint.to_directory(tmp)
-            return store_part(storage, target, self.rank, scan_folder(local))
+            return parts_module.store_part(storage, target, self.rank, scan_folder(local))
 
     def _seal_when_settled(self, stored: Future, call, report: PreparedReport) -> Sealed | None:
         """Once every rank reported past ``call`` and every joined part arrived: seals the
@@ -322,8 +318,6 @@ class ShardReporter:
 
     def _seal(self, slot, call, mode, job, metrics) -> Sealed:
         """Makes the parts one checkpoint and registers it with its validation."""
-        adopt_shared, assemble = parts_module.adopt_shared, parts_module.assemble
-
         reporter = self.reporter
         assemblies = reporter.writer.assemblies
         parts = assemblies.begin_sealing(slot.assembly_id)
@@ -332,11 +326,15 @@ class ShardReporter:
         storage, settings = reporter.storage, reporter.settings
         try:
             if mode is CheckpointUploadMode.NO_UPLOAD:
-                persisted = adopt_shared(storage, parts, settings.namespace, reporter.run)
+                persisted = parts_module.adopt_shared(
+                    storage, parts, settings.namespace, reporter.run
+                )
                 conflicts = []
             else:
                 target = storage.path_of(slot.uri)
-                persisted, conflicts = assemble(storage, target, parts, settings.shard_conflicts)
+                persisted, conflicts = parts_module.assemble(
+                    storage, target, parts, settings.shard_conflicts
+                )
             # One transaction registers the checkpoint and ends the assembly COMPLETE (and
             # older groups' open ones INCOMPLETE); refused if it was given up meanwhile.
             detail = "; ".join(str(c) for c in conflicts) or None
