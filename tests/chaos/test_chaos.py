@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from ray.train import Checkpoint
 
 from trainer_integration import Client
+from validation_service.jobs import ACTIVE_JOB_STATUSES
 from validation_service.registry.registry import Registry
 from validation_service.service import ValidationService
 
@@ -92,7 +93,7 @@ def test_kill_9_of_the_service_loses_and_duplicates_nothing(service, tmp_path, u
         lambda: registry.job_counts(unique_run).get("RUNNING", 0) >= 3, 60, "validations running"
     )
     before = service.status()
-    in_flight = sum(registry.job_counts(unique_run).get(s, 0) for s in ("QUEUED", "RUNNING"))
+    in_flight = sum(registry.job_counts(unique_run).get(s.value, 0) for s in ACTIVE_JOB_STATUSES)
     os.kill(before["pid"], signal.SIGKILL)
     registry.wait(unique_run, timeout_s=240)
     after = service.status()

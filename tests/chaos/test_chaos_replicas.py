@@ -28,6 +28,7 @@ from ray.train import Checkpoint
 
 from trainer_integration import Client
 from validation_service.errors import RunNotFound
+from validation_service.jobs import ACTIVE_JOB_STATUSES
 from validation_service.registry.registry import Registry
 from validation_service.registry.replicas import replica_name
 from validation_service.service import ValidationService
@@ -147,16 +148,16 @@ def leases_of(registry: Registry, owner: str) -> list[tuple[int, int]]:
 
 
 def settled(registry: Registry, runs: list[str]) -> bool:
-    """Every report registered, and none QUEUED or RUNNING."""
+    """Every report registered, and none QUEUED, RUNNING or WAITING_FOR_RESOURCES (a job
+    whose attempt waits for a worker is not settled either)."""
     counts: Counter = Counter()
     for run in runs:
         try:
             counts.update(registry.job_counts(run))
         except RunNotFound:
             return False
-    return sum(counts.values()) == RUNS * REPORTS_PER_RUN and not (
-        counts["QUEUED"] or counts["RUNNING"]
-    )
+    active = sum(counts[status.value] for status in ACTIVE_JOB_STATUSES)
+    return sum(counts.values()) == RUNS * REPORTS_PER_RUN and not active
 
 
 def kill_replica(handle, registry: Registry, kills: list[Kill]) -> Kill:
