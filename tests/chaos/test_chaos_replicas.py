@@ -115,9 +115,9 @@ def terminate_backends(url: str) -> int:
 
 # ------------------------------------------------------ replicas killed in turn
 RUNS = 4
-REPORTS_PER_RUN = 30
+REPORTS_PER_RUN = 15
 REPLICAS = 3
-HOLD_S = 2.0  # each validation's length: 120 of them on 6 slots outlast three kills
+HOLD_S = 2.0  # each validation's length: 60 of them on 6 slots outlast three kills
 POOL_SIZE = 6
 KILL_EVERY_S = 12.0
 POSTGRES_KILLS_AT_S = (6.0, 18.0)
