@@ -99,18 +99,20 @@ def test_ckval_demo(tmp_path):
         assert f"{record.metrics['accuracy']:.4g}" in out  # the CLI's 4 significant digits
 
 
-def test_ckval_demo_exits_non_zero_naming_a_failed_validation(tmp_path):
-    program = (
-        "from validation_service.cli.demo import run_demo; "
-        "run_demo(epochs=2, num_workers=1, run_name='demo-fails', fail_epochs={1})"
-    )
-    out = run([sys.executable, "-c", program], tmp_path, with_stderr=True, returncode=1)
-    registry = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
-    [validated, failed] = registry.validations("demo-fails")
+def test_ckval_demo_exits_non_zero_naming_a_failed_validation(service, unique_run, capsys):
+    """The demo's failure path, in the session's Ray and service (the demo takes a Ray
+    that is already up, as it does in a notebook): `ckval demo` exits with this message."""
+    from validation_service.cli.demo import run_demo
+
+    with pytest.raises(SystemExit) as exited:
+        run_demo(epochs=2, num_workers=1, run_name=unique_run, fail_epochs={1})
+    out = capsys.readouterr().out
+    [validated, failed] = Registry().validations(unique_run)
     assert (validated.status, failed.status) == ("SUCCEEDED", "FAILED")
-    said = f"ckval demo failed: 1 of 2 validation(s) of run 'demo-fails' failed (job {failed.id}"
-    assert said in out
-    assert f"`ckval job {failed.id}`" in out and "PermanentValidationError" in out
+    said = f"ckval demo failed: 1 of 2 validation(s) of run '{unique_run}' failed (job {failed.id}"
+    message = str(exited.value.code)  # a message as SystemExit's code: the process exits 1
+    assert message.startswith(said), message
+    assert f"`ckval job {failed.id}`" in message and "PermanentValidationError" in message
     assert "top-3 checkpoints by validated accuracy" in out  # the results are still shown
 
 
