@@ -15,6 +15,7 @@ import torch
 
 from trainer_integration import report, resolve_checkpoint
 from validation_service.cli.demo import load_digits_split, make_model, validate_digits
+from validation_service.errors import ValidationsFailedWarning
 from validation_service.jobs import AssemblyStatus
 from validation_service.registry.registry import Registry
 
@@ -61,19 +62,16 @@ def train_digits(config):
                 report(metrics, None)
 
 
-def slow_validate(checkpoint, config):
-    # Holds each validation open long enough that overlap is observable on 2 cores.
-    metrics = validate_digits(checkpoint, {})
-    time.sleep(config["hold_s"])
-    return metrics
-
-
-def flaky_by_epoch(checkpoint, config):
+def validate_by_epoch(checkpoint, config):
+    """Epoch 1 raises, epoch 2 returns a non-dict; the others validate, each held open
+    long enough that overlap is observable on 2 cores."""
     if config["epoch"] == 1:
         raise ValueError(f"bad batch in epoch {config['epoch']}")
     if config["epoch"] == 2:
         return [0.5]  # not a dict
-    return validate_digits(checkpoint, {})
+    metrics = validate_digits(checkpoint, {})
+    time.sleep(config["hold_s"])
+    return metrics
 
 
 def independent_accuracy(checkpoint_dir: str) -> float:
@@ -99,75 +97,82 @@ def fit(run_name, session_home, **config):
     return trainer.fit()
 
 
-def test_every_checkpoint_is_validated_and_ranked(service, session_home, unique_run):
-    epochs = 5
-    result = fit(unique_run, session_home, epochs=epochs, validate_fn=slow_validate, hold_s=1.5)
-    assert result.error is None
-    registry = Registry()
-    registry.wait(unique_run, timeout_s=180)
+EPOCHS = 5
+FAILS, NOT_A_DICT = 1, 2  # the epochs whose validation raises / returns a list
+VALIDATED = [e for e in range(EPOCHS) if e not in (FAILS, NOT_A_DICT)]
 
-    records = registry.checkpoints(unique_run)
-    assert [r.report_index for r in records] == list(range(epochs))
-    assert all(r.validation_status == "VALIDATED" for r in records)
+
+@pytest.fixture(scope="module")
+def digits_run(service, session_home):
+    """One Ray Train run, read by the two tests below: every epoch's checkpoint reported,
+    its validation succeeding, raising or returning a non-dict by epoch."""
+    run = f"digits-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    result = fit(
+        run, session_home, epochs=EPOCHS, validate_fn=validate_by_epoch, hold_s=1.5, max_attempts=2
+    )
+    assert result.error is None  # failing validations did not stop training
+    with pytest.warns(ValidationsFailedWarning, match="2 of 5 validation"):
+        Registry().wait(run, timeout_s=180)
+    return run, result
+
+
+def test_every_checkpoint_is_validated_and_ranked(digits_run):
+    run, result = digits_run
+    registry = Registry()
+    records = registry.checkpoints(run)
+    assert [r.report_index for r in records] == list(range(EPOCHS))
     expected = {}
     for record in records:
-        assert set(record.validated_metrics) == {"accuracy", "val_loss"}
         assert record.metrics["train_loss"] == record.reported_metrics["train_loss"]
+        if record.report_index not in VALIDATED:
+            continue
+        assert record.validation_status == "VALIDATED"
+        assert set(record.validated_metrics) == {"accuracy", "val_loss"}
         expected[record.report_index] = independent_accuracy(record.uri)
         assert record.metrics["accuracy"] == pytest.approx(expected[record.report_index], abs=1e-6)
     ranked = sorted(expected, key=lambda i: (-expected[i], i))[:3]
-    best = registry.best_checkpoints(unique_run, metric="accuracy", mode="max", k=3)
+    best = registry.best_checkpoints(run, metric="accuracy", mode="max", k=3)
     assert [m["epoch"] for _, m in best] == ranked
     assert best[0][0].path == records[ranked[0]].uri
 
     # Several validations ran at once: attempt windows recorded by the tasks overlap.
-    windows = sorted(
-        (a.started_at, a.finished_at)
-        for job in registry.validations(unique_run)
-        for a in job.attempt_history
-    )
+    jobs = registry.validations(run)
+    windows = sorted((a.started_at, a.finished_at) for job in jobs for a in job.attempt_history)
     overlaps = sum(
         1 for (_, end), (start, _) in zip(windows, windows[1:], strict=False) if start < end
     )
     assert overlaps >= 1, windows
-    assert all(a.node_id for job in registry.validations(unique_run) for a in job.attempt_history)
+    assert all(a.node_id for job in jobs for a in job.attempt_history)
 
     # Ray's own Result lists every checkpoint; each resolves to the stored one.
-    assert len(result.best_checkpoints) == epochs
+    assert len(result.best_checkpoints) == EPOCHS
     latest = resolve_checkpoint(result.checkpoint)
     assert latest.path == records[-1].uri
-    assert registry.latest_checkpoint(unique_run).path == records[-1].uri
+    assert registry.latest_checkpoint(run).path == records[-1].uri
 
 
-def test_failing_and_non_dict_validate_fn_fail_while_training_completes(
-    service, session_home, unique_run
-):
-    result = fit(unique_run, session_home, epochs=4, validate_fn=flaky_by_epoch, max_attempts=2)
-    assert result.error is None
+def test_failing_and_non_dict_validate_fn_fail_while_training_completes(digits_run):
+    run, _ = digits_run
     registry = Registry()
-    registry.wait(unique_run, timeout_s=180)
-    jobs = {job.report_index: job for job in registry.validations(unique_run)}
+    jobs = {job.report_index: job for job in registry.validations(run)}
     assert {i: j.status for i, j in jobs.items()} == {
-        0: "SUCCEEDED",
-        1: "FAILED",
-        2: "FAILED",
-        3: "SUCCEEDED",
+        i: "SUCCEEDED" if i in VALIDATED else "FAILED" for i in range(EPOCHS)
     }
-    raised = jobs[1]
+    raised = jobs[FAILS]
     assert (raised.error_type, raised.attempts) == ("ValueError", 2)
     assert raised.error_message == "bad batch in epoch 1"
     # The traceback names the user's function and its error. (cloudpickle 3.1.3 and later
     # file a function pickled by value as "<dynamic-code>": its source line is not shown.)
-    assert "in flaky_by_epoch\n" in raised.error_traceback
+    assert "in validate_by_epoch\n" in raised.error_traceback
     assert raised.error_traceback.endswith("ValueError: bad batch in epoch 1\n")
-    non_dict = jobs[2]
+    non_dict = jobs[NOT_A_DICT]
     assert non_dict.attempts == 1  # returning a non-dict is not retried
     assert "returned list" in non_dict.error_message and "must return a dict" in (
         non_dict.error_message
     )
-    statuses = [c.validation_status for c in registry.checkpoints(unique_run)]
-    assert statuses == ["VALIDATED", "FAILED", "FAILED", "VALIDATED"]
-    assert len(registry.best_checkpoints(unique_run, "accuracy", k=10)) == 2
+    statuses = [c.validation_status for c in registry.checkpoints(run)]
+    assert statuses == ["VALIDATED" if i in VALIDATED else "FAILED" for i in range(EPOCHS)]
+    assert len(registry.best_checkpoints(run, "accuracy", k=10)) == len(VALIDATED)
 
 
 def report_a_missing_then_a_real_checkpoint(config):
