@@ -6,6 +6,7 @@ import os
 import sys
 import tempfile
 import time
+import uuid
 
 import cloudpickle
 import numpy as np
@@ -62,12 +63,17 @@ def train_digits(config):
                 report(metrics, None)
 
 
+EPOCHS = 5
+FAILS, NOT_A_DICT = 1, 2  # the epochs whose validation raises / returns a list
+VALIDATED = [e for e in range(EPOCHS) if e not in (FAILS, NOT_A_DICT)]
+
+
 def validate_by_epoch(checkpoint, config):
-    """Epoch 1 raises, epoch 2 returns a non-dict; the others validate, each held open
-    long enough that overlap is observable on 2 cores."""
-    if config["epoch"] == 1:
+    """Epoch FAILS raises, epoch NOT_A_DICT returns a list; the others validate, each held
+    open long enough that overlap is observable on 2 cores."""
+    if config["epoch"] == FAILS:
         raise ValueError(f"bad batch in epoch {config['epoch']}")
-    if config["epoch"] == 2:
+    if config["epoch"] == NOT_A_DICT:
         return [0.5]  # not a dict
     metrics = validate_digits(checkpoint, {})
     time.sleep(config["hold_s"])
@@ -97,21 +103,17 @@ def fit(run_name, session_home, **config):
     return trainer.fit()
 
 
-EPOCHS = 5
-FAILS, NOT_A_DICT = 1, 2  # the epochs whose validation raises / returns a list
-VALIDATED = [e for e in range(EPOCHS) if e not in (FAILS, NOT_A_DICT)]
-
-
 @pytest.fixture(scope="module")
 def digits_run(service, session_home):
     """One Ray Train run, read by the two tests below: every epoch's checkpoint reported,
     its validation succeeding, raising or returning a non-dict by epoch."""
-    run = f"digits-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    run = f"digits-{uuid.uuid4().hex[:6]}"
     result = fit(
         run, session_home, epochs=EPOCHS, validate_fn=validate_by_epoch, hold_s=1.5, max_attempts=2
     )
     assert result.error is None  # failing validations did not stop training
-    with pytest.warns(ValidationsFailedWarning, match="2 of 5 validation"):
+    failed = EPOCHS - len(VALIDATED)
+    with pytest.warns(ValidationsFailedWarning, match=f"{failed} of {EPOCHS} validation"):
         Registry().wait(run, timeout_s=180)
     return run, result
 
